@@ -1,0 +1,20 @@
+# The two commands of the README, plus the steps they are made of.
+.PHONY: serve test setup export docs clean
+
+serve: setup          ## set up .venv if needed, then serve the embedded default model
+	.venv/bin/minisgl serve
+
+test:                 ## set up .venv if needed, then run every test (notebooks and tests/)
+	scripts/test.sh
+
+setup:
+	scripts/setup_env.sh
+
+export:               ## regenerate minisgl/ and README.md from nbs/
+	.venv/bin/nbdev_clean && .venv/bin/nbdev_export && .venv/bin/python scripts/render_readme.py
+
+docs:                 ## build the documentation site into docs/
+	scripts/build_docs.sh
+
+clean:
+	rm -rf build _proc _docs

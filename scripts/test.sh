@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The whole test suite, from a fresh clone: set-up, then the nbdev checks, every notebook, pytest.
+# Extra arguments go to pytest (e.g. scripts/test.sh -x -k radix).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup_env.sh
+export PATH="$PWD/.venv/bin:$PATH" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+start=$SECONDS
+
+echo "== 1/4 the notebooks are the source: cleaning and exporting them must change nothing"
+snapshot() { git status --porcelain -- nbs minisgl; git diff -- nbs minisgl | sha1sum; }
+before=$(snapshot)
+nbdev_clean >/dev/null
+nbdev_export
+python scripts/render_readme.py --check
+after=$(snapshot)
+if [ "$before" != "$after" ]; then
+  echo "FAIL: nbdev_clean/nbdev_export changed files; edit the notebooks, export, and commit both:" >&2
+  git status --porcelain -- nbs minisgl >&2
+  exit 1
+fi
+
+echo "== 2/4 CUDA sources compile (nvcc -c against torch's headers)"
+if [ -x scripts/check_cuda_compile.sh ]; then scripts/check_cuda_compile.sh; else echo "no CUDA compile check yet"; fi
+
+echo "== 3/4 every notebook runs on this machine (cells flagged gpu run only with --flags gpu)"
+flags=""
+if python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then flags="--flags gpu"; fi
+# shellcheck disable=SC2086
+nbdev_test --n_workers 1 --timing $flags
+
+echo "== 4/4 pytest tests/"
+python -m pytest tests/ -q -p no:cacheprovider "$@"
+echo "all tests passed in $((SECONDS - start)) s (after set-up)"
