@@ -1,0 +1,95 @@
+"Helpers for the end-to-end tests: start `python -m minisgl serve` on a free loopback port, stop it, inspect its processes."
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProc:
+    "A `minisgl serve` subprocess on loopback."
+    def __init__(self, *args: str, timeout: float = 240):
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self._output = ""
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="minisgl-serve-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen([sys.executable, "-m", "minisgl", "serve", "--port", str(self.port),
+                                      "--log-level", "warning", *args],
+                                     stdout=self.log, stderr=subprocess.STDOUT, env=ENV, start_new_session=True)
+        t0, seen_503 = time.monotonic(), False
+        while True:
+            if self.proc.poll() is not None:
+                self._close_log()
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                r = httpx.get(self.base + "/health", timeout=2)
+                if r.status_code == 200: break
+                assert r.status_code == 503, r.text
+                seen_503 = True
+            except httpx.TransportError:
+                pass
+            if time.monotonic() - t0 > timeout:
+                self.kill()
+                raise RuntimeError(f"server not healthy after {timeout}s:\n{self.output()}")
+            time.sleep(0.2)
+        self.startup_s, self.seen_503 = time.monotonic() - t0, seen_503
+
+    def output(self) -> str:
+        p = Path(self.log.name)
+        return p.read_text() if p.exists() else self._output
+
+    def _close_log(self):
+        "The server has exited: keep its output in memory, remove the log file."
+        self._output = self.output()
+        self.log.close()
+        Path(self.log.name).unlink(missing_ok=True)
+
+    def children(self) -> list[int]:
+        return children_of(self.proc.pid)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try: self.proc.wait(timeout)
+            except subprocess.TimeoutExpired: self.kill()
+        self._close_log()
+        return self.proc.returncode
+
+    def kill(self):
+        try: os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError: pass
+        self.proc.wait(10)
+        self._close_log()
+
+
+def children_of(pid: int) -> list[int]:
+    "Direct children of `pid` (from /proc)."
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try: fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError: continue
+        if int(fields[1]) == pid: out.append(int(stat.parent.name))
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return state != "Z"
+    except OSError:
+        return False
