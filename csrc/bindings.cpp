@@ -1,0 +1,82 @@
+// bindings.cpp -- the Python face of minisgl._C: one function per kernel, dispatched on the device of its
+// tensors (CPU kernels in csrc/cpu, CUDA kernels in csrc/cuda when built with MINISGL_WITH_CUDA).
+#include <torch/extension.h>
+
+#include "common.h"
+#include "ops.h"
+
+namespace minisgl {
+namespace {
+
+[[noreturn]] void no_cuda(const char* fn) {
+  TORCH_CHECK(false, fn, ": got CUDA tensors but minisgl._C was built without CUDA; rebuild with "
+              "`pip install --no-build-isolation -e .` where torch has CUDA");
+}
+
+void store_kv(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& out_loc, const at::Tensor& k,
+              const at::Tensor& v) {
+  check_store(k_cache, v_cache, out_loc, k, v);
+  if (k_cache.is_cuda()) {
+#ifdef MINISGL_WITH_CUDA
+    return store_kv_cuda(k_cache, v_cache, out_loc, k, v);
+#else
+    no_cuda("store_kv");
+#endif
+  }
+  store_kv_cpu(k_cache, v_cache, out_loc, k, v);
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& page_table, const at::Tensor& table_idx, const at::Tensor& seq_lens,
+                            double scale, int64_t sliding_window) {
+  check_attention(q, k_cache, v_cache, page_table, table_idx, seq_lens, c10::nullopt, scale, sliding_window);
+  if (q.is_cuda()) {
+#ifdef MINISGL_WITH_CUDA
+    return decode_attention_cuda(q, k_cache, v_cache, page_table, table_idx, seq_lens, scale, sliding_window);
+#else
+    no_cuda("decode_attention");
+#endif
+  }
+  return decode_attention_cpu(q, k_cache, v_cache, page_table, table_idx, seq_lens, scale, sliding_window);
+}
+
+at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& page_table, const at::Tensor& table_idx, const at::Tensor& seq_lens,
+                            const at::Tensor& extend_lens, double scale, int64_t sliding_window) {
+  check_attention(q, k_cache, v_cache, page_table, table_idx, seq_lens, extend_lens, scale, sliding_window);
+  if (q.is_cuda()) {
+#ifdef MINISGL_WITH_CUDA
+    return extend_attention_cuda(q, k_cache, v_cache, page_table, table_idx, seq_lens, extend_lens, scale,
+                                 sliding_window);
+#else
+    no_cuda("extend_attention");
+#endif
+  }
+  return extend_attention_cpu(q, k_cache, v_cache, page_table, table_idx, seq_lens, extend_lens, scale,
+                              sliding_window);
+}
+
+bool has_cuda() {
+#ifdef MINISGL_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+}  // namespace minisgl
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "minisgl native kernels: paged KV store, decode and extend attention";
+  m.def("store_kv", &minisgl::store_kv, "k_cache[out_loc[i]] = k[i]; v_cache[out_loc[i]] = v[i] (in place)",
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("out_loc"), py::arg("k"), py::arg("v"));
+  m.def("decode_attention", &minisgl::decode_attention, "paged attention, one query token per request",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("page_table"), py::arg("table_idx"),
+        py::arg("seq_lens"), py::arg("scale"), py::arg("sliding_window") = -1);
+  m.def("extend_attention", &minisgl::extend_attention, "causal paged attention over a cached prefix",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("page_table"), py::arg("table_idx"),
+        py::arg("seq_lens"), py::arg("extend_lens"), py::arg("scale"), py::arg("sliding_window") = -1);
+  m.def("has_cuda", &minisgl::has_cuda, "whether the CUDA kernels were compiled in");
+  m.def("cpu_isa", &minisgl::cpu_isa, "the instruction set the CPU kernels use on this machine");
+}

@@ -1,0 +1,552 @@
+// attention.cpp -- paged decode and extend (prefill) attention on the CPU.
+//
+// Layouts (see common.h): q [N, Hq, D] (last dim contiguous), k_cache/v_cache [num_slots, Hkv, D] (last dim
+// contiguous), page_table [rows, max_seq_len] int32|int64 with page_table[row, pos] = slot, table_idx /
+// seq_lens / extend_lens [B]. Output [N, Hq, D] contiguous in q's dtype. fp32 accumulation throughout.
+//
+// Work split. GQA groups the G = Hq / Hkv query heads that share a KV head, and a task always owns a whole
+// group, so each K/V row is loaded (and converted to fp32) once for G heads.
+//   decode : task = (request, kv head, key chunk); long requests in small batches are split into key
+//            chunks whose partial softmax states (max, sum, weighted V) are merged afterwards. Per tile of
+//            kDecodeTile keys: W scores at a time from `dots` (one transposing reduction tree instead of W
+//            horizontal sums), then acc += P V over row pointers (`gemm_rows`); the next tile's rows are
+//            prefetched, since page boundaries defeat the hardware prefetcher.
+//   extend : task = (request, kv head, block of queries); the block walks its visible keys in tiles of
+//            kTileK, gathering a K tile transposed ([D][kTileK]) and a V tile row-major, so that
+//            S = Q K^T and acc += P V are register-blocked products (`gemm` in vec.h).
+// Tasks are sorted by estimated cost and handed out dynamically (an atomic counter), so a few long
+// requests do not leave a thread idle at the end.
+//
+// ISA: the task bodies are templates instantiated inside wrappers compiled for AVX-512, AVX2 and the
+// baseline (GCC/Clang `target` + `flatten`), and the best one is chosen once at run time, so the wheel
+// stays portable while the hot loops use the widest vectors the machine has.
+//
+// Trust: table rows, lengths and extend lengths are checked here; the slots stored in the page table are
+// not (that would cost a pass over every position) -- they come from the scheduler's allocator.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdlib>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "../common.h"
+#include "../ops.h"
+#include "vec.h"
+
+namespace minisgl {
+namespace cpu {
+namespace {
+
+constexpr int kTileK = 64;     // keys per tile
+constexpr int kDecodeTile = 32;  // keys per decode tile
+constexpr int64_t kMaxScratchD = 1024;
+
+struct Args {
+  const void* q;
+  int64_t q_s0, q_s1;
+  const void* k;
+  const void* v;
+  int64_t k_s0, k_s1, v_s0, v_s1;
+  const void* pt;
+  bool pt64;
+  int64_t pt_s0, pt_s1;
+  int64_t Hq, Hkv, G, D, window;
+  float scale;
+  void* out;  // contiguous [N, Hq, D]
+};
+
+inline int64_t slot_at(const Args& a, int64_t row, int64_t pos) {
+  const int64_t off = row * a.pt_s0 + pos * a.pt_s1;
+  return a.pt64 ? static_cast<const int64_t*>(a.pt)[off] : static_cast<const int32_t*>(a.pt)[off];
+}
+
+// Per-thread scratch, sized for the largest task.
+struct Scratch {
+  std::vector<float> q, acc, m, l, kt, vt, s, row, zero;  // zero: a row of D zeros (padding keys)
+  std::vector<int> jlo, jhi;
+  Scratch(int64_t M, int64_t D, int64_t G)
+      : q(M * D), acc(M * pad(D)), m(M), l(M), kt(D * kTileK), vt(kTileK * pad(D)),
+        s(std::max<int64_t>(G * kDecodeTile, M * kTileK)), row(D), zero(D, 0.f), jlo(M), jhi(M) {}
+  static int64_t pad(int64_t D) { return (D + 63) / 64 * 64; }
+};
+
+// ---------------------------------------------------------------- decode
+// Cfg gives the vector width W and the R x C register block of an ISA variant.
+struct CfgAvx512 { static constexpr int W = 16, R = 4, C = 4; };
+struct CfgAvx2 { static constexpr int W = 8, R = 4, C = 2; };
+struct CfgBase { static constexpr int W = 4, R = 4, C = 2; };
+
+// One (request, kv head, key range) task: the partial softmax state of G query heads over keys [k0, k1),
+// written to part = [m[G], l[G], acc[G][D]]. With a specialised head_dim, scores come W at a time from
+// `dots` and acc += P V is a register-blocked product over row pointers; otherwise plain dot/axpy loops.
+template <typename T, int kD, typename Cfg>
+inline void decode_task(const Args& a, int64_t b, int64_t row, int64_t h, int64_t k0, int64_t k1, float* part,
+                        Scratch& sc) {
+  constexpr int W = Cfg::W;
+  constexpr bool kBlocked = kD > 0 && kD % (Cfg::C * W) == 0 && kDecodeTile % W == 0;
+  const int D = kD > 0 ? kD : static_cast<int>(a.D);
+  const int G = static_cast<int>(a.G);
+  float* qf = sc.q.data();
+  float* m = part;
+  float* l = part + G;
+  float* acc = part + 2 * G;
+  float* s = sc.s.data();
+  float* kbuf = sc.kt.data();  // [kDecodeTile][D]
+  const float* zero = sc.zero.data();
+  const T* qb = static_cast<const T*>(a.q) + b * a.q_s0 + h * G * a.q_s1;
+  for (int g = 0; g < G; ++g) {
+    to_f32(qb + g * a.q_s1, qf + g * D, D);
+    scale_row<kD>(qf + g * D, a.scale, D);
+    m[g] = kNegInf;
+    l[g] = 0.f;
+  }
+  std::fill(acc, acc + G * D, 0.f);
+  const T* kc = static_cast<const T*>(a.k) + h * a.k_s1;
+  const T* vc = static_cast<const T*>(a.v) + h * a.v_s1;
+  int64_t slots[kDecodeTile];
+  const float* rows[kDecodeTile];
+  for (int64_t t0 = k0; t0 < k1; t0 += kDecodeTile) {
+    const int n = static_cast<int>(std::min<int64_t>(kDecodeTile, k1 - t0));
+    for (int j = 0; j < n; ++j) slots[j] = slot_at(a, row, t0 + j);
+    // The rows of a request are scattered over pages, which defeats the hardware prefetcher at every
+    // page boundary: ask for the next tile's K/V rows while this one is computed.
+    for (int64_t j = t0 + kDecodeTile, end = std::min(k1, t0 + 2 * kDecodeTile); j < end; ++j) {
+      const int64_t next = slot_at(a, row, j);
+      prefetch_row(kc + next * a.k_s0, D);
+      prefetch_row(vc + next * a.v_s0, D);
+    }
+    for (int j = 0; j < n; ++j) rows[j] = row_f32(kc + slots[j] * a.k_s0, kbuf + j * D, D);
+    if constexpr (kBlocked) {
+      const int n_pad = (n + W - 1) / W * W;
+      for (int j = n; j < n_pad; ++j) rows[j] = zero;
+      for (int g = 0; g < G; ++g)
+        for (int j0 = 0; j0 < n_pad; j0 += W) dots<W>(qf + g * D, rows + j0, s + g * kDecodeTile + j0, D / W);
+    } else {
+      for (int j = 0; j < n; ++j)
+        for (int g = 0; g < G; ++g) s[g * kDecodeTile + j] = dot<kD>(qf + g * D, rows[j], D);
+    }
+    for (int g = 0; g < G; ++g) {
+      float* sg = s + g * kDecodeTile;
+      const float mnew = std::max(m[g], max_of(sg, n));
+      const float alpha = std::exp(m[g] - mnew);  // 0 on the first tile (m = -inf)
+      l[g] = l[g] * alpha + exp_sum(sg, mnew, n);
+      if (alpha != 1.f) scale_row<kD>(acc + g * D, alpha, D);
+      m[g] = mnew;
+    }
+    for (int j = 0; j < n; ++j) rows[j] = row_f32(vc + slots[j] * a.v_s0, kbuf + j * D, D);
+    if constexpr (kBlocked) {
+      gemm_rows<W, Cfg::R, Cfg::C>(G, s, kDecodeTile, rows, n, acc, D, D);
+    } else {
+      for (int j = 0; j < n; ++j)
+        for (int g = 0; g < G; ++g) axpy<kD>(acc + g * D, s[g * kDecodeTile + j], rows[j], D);
+    }
+  }
+}
+
+// ---------------------------------------------------------------- extend
+// One (request, kv head, query block) task. Query i of the request (0 <= i < ext) sits at position
+// L - ext + i and sees keys [lo(p), p], lo(p) = max(0, p - window + 1) with a window, else 0.
+// Per key tile: S = Q K^T (register-blocked), online-softmax update of each row, acc += P V.
+// Cfg gives the vector width W and the R x C register block of the ISA variant.
+constexpr int kPadD = 64;  // acc / V rows are padded to a multiple of the widest C * W
+
+template <typename T, int kD, typename Cfg>
+inline void extend_task(const Args& a, int64_t q_begin, int64_t row, int64_t L, int64_t ext, int64_t h,
+                        int64_t i0, int64_t i1, Scratch& sc) {
+  constexpr int W = Cfg::W, R = Cfg::R, C = Cfg::C;
+  const int D = kD > 0 ? kD : static_cast<int>(a.D);
+  const int Dp = (D + kPadD - 1) / kPadD * kPadD;
+  const int G = static_cast<int>(a.G), nq = static_cast<int>(i1 - i0), M = nq * G;
+  float *qf = sc.q.data(), *acc = sc.acc.data(), *m = sc.m.data(), *l = sc.l.data();
+  float *kt = sc.kt.data(), *vt = sc.vt.data(), *S = sc.s.data(), *tmp = sc.row.data();
+  int* jlo = sc.jlo.data();
+  int* jhi = sc.jhi.data();
+  for (int i = 0; i < nq; ++i) {
+    const T* qi = static_cast<const T*>(a.q) + (q_begin + i0 + i) * a.q_s0 + h * G * a.q_s1;
+    for (int g = 0; g < G; ++g) {
+      float* qr = qf + (i * G + g) * D;
+      to_f32(qi + g * a.q_s1, qr, D);
+      scale_row<kD>(qr, a.scale, D);
+    }
+  }
+  std::fill(acc, acc + M * Dp, 0.f);
+  std::fill(vt, vt + kTileK * Dp, 0.f);
+  std::fill(m, m + M, kNegInf);
+  std::fill(l, l + M, 0.f);
+  const int64_t p_first = L - ext + i0, p_last = L - ext + i1 - 1;
+  const int64_t k_lo = a.window > 0 ? std::max<int64_t>(0, p_first - a.window + 1) : 0;
+  const int64_t k_hi = p_last + 1;
+  const T* kc = static_cast<const T*>(a.k) + h * a.k_s1;
+  const T* vc = static_cast<const T*>(a.v) + h * a.v_s1;
+  for (int64_t t0 = k_lo; t0 < k_hi; t0 += kTileK) {
+    const int n = static_cast<int>(std::min<int64_t>(kTileK, k_hi - t0));
+    // gather the tile: K transposed ([D][kTileK], zero-padded columns), V row-major ([kTileK][Dp])
+    for (int j = 0; j < n; ++j) {
+      const int64_t slot = slot_at(a, row, t0 + j);
+      const float* kr = row_f32(kc + slot * a.k_s0, tmp, D);
+      for (int d = 0; d < D; ++d) kt[d * kTileK + j] = kr[d];
+      to_f32(vc + slot * a.v_s0, vt + j * Dp, D);
+    }
+    for (int d = 0; d < D; ++d)
+      for (int j = n; j < kTileK; ++j) kt[d * kTileK + j] = 0.f;
+    // the visible columns [jlo, jhi) of each (query, head) row in this tile
+    for (int i = 0; i < nq; ++i) {
+      const int64_t p = p_first + i;
+      const int64_t lo = a.window > 0 ? std::max<int64_t>(0, p - a.window + 1) : 0;
+      const int lo_j = static_cast<int>(std::max<int64_t>(lo - t0, 0));
+      const int hi_j = static_cast<int>(std::min<int64_t>(p - t0 + 1, n));
+      for (int g = 0; g < G; ++g) {
+        jlo[i * G + g] = lo_j;
+        jhi[i * G + g] = std::max(lo_j, hi_j);
+      }
+    }
+    for (int rb = 0; rb < M; rb += R) {
+      const int rows = std::min(R, M - rb);
+      int ulo = kTileK, uhi = 0;
+      for (int r = rb; r < rb + rows; ++r)
+        if (jlo[r] < jhi[r]) {
+          ulo = std::min(ulo, jlo[r]);
+          uhi = std::max(uhi, jhi[r]);
+        }
+      if (ulo >= uhi) continue;  // no row of this block sees this tile
+      gemm<W, R, C>(rows, qf + rb * D, D, kt, kTileK, 0, D, S + rb * kTileK, kTileK, kTileK, false);
+      for (int r = rb; r < rb + rows; ++r) {
+        float* sr = S + r * kTileK;
+        if (jlo[r] < jhi[r]) {
+          const float mnew = std::max(m[r], max_of(sr + jlo[r], jhi[r] - jlo[r]));
+          const float alpha = std::exp(m[r] - mnew);
+          l[r] = l[r] * alpha + exp_sum(sr + jlo[r], mnew, jhi[r] - jlo[r]);
+          if (alpha != 1.f) scale_row<0>(acc + r * Dp, alpha, Dp);
+          m[r] = mnew;
+        }
+        for (int j = ulo; j < std::min(jlo[r], uhi); ++j) sr[j] = 0.f;  // masked columns weigh nothing
+        for (int j = std::max(jhi[r], ulo); j < uhi; ++j) sr[j] = 0.f;
+      }
+      gemm<W, R, C>(rows, S + rb * kTileK, kTileK, vt, Dp, ulo, uhi, acc + rb * Dp, Dp, Dp, true);
+    }
+  }
+  T* out = static_cast<T*>(a.out);
+  for (int i = 0; i < nq; ++i)
+    for (int g = 0; g < G; ++g) {
+      const int r = i * G + g;
+      from_f32(acc + r * Dp, out + ((q_begin + i0 + i) * a.Hq + h * G + g) * D, D, 1.f / l[r]);
+    }
+}
+
+// ---------------------------------------------------------------- ISA variants
+struct DecodeTask { int64_t b, row, h, k0, k1, part; };
+struct ExtendTask { int64_t q_begin, row, L, ext, h, i0, i1; };
+
+template <typename T, int kD, typename Cfg>
+inline void run_decode(const Args& a, const DecodeTask& t, float* parts, Scratch& sc) {
+  decode_task<T, kD, Cfg>(a, t.b, t.row, t.h, t.k0, t.k1, parts + t.part * a.G * (a.D + 2), sc);
+}
+template <typename T, int kD, typename Cfg>
+inline void run_extend(const Args& a, const ExtendTask& t, Scratch& sc) {
+  extend_task<T, kD, Cfg>(a, t.q_begin, t.row, t.L, t.ext, t.h, t.i0, t.i1, sc);
+}
+
+// A variant runs a task for one (dtype, head_dim) with the hot loops compiled for one ISA.
+template <typename T, typename Cfg>
+inline void decode_any(const Args& a, const DecodeTask& t, float* parts, Scratch& sc) {
+  switch (a.D) {
+    case 64: return run_decode<T, 64, Cfg>(a, t, parts, sc);
+    case 128: return run_decode<T, 128, Cfg>(a, t, parts, sc);
+    default: return run_decode<T, 0, Cfg>(a, t, parts, sc);
+  }
+}
+template <typename T, typename Cfg>
+inline void extend_any(const Args& a, const ExtendTask& t, Scratch& sc) {
+  switch (a.D) {
+    case 64: return run_extend<T, 64, Cfg>(a, t, sc);
+    case 128: return run_extend<T, 128, Cfg>(a, t, sc);
+    default: return run_extend<T, 0, Cfg>(a, t, sc);
+  }
+}
+
+#if defined(__GNUC__) && defined(__x86_64__)
+#define MINISGL_X86 1
+#define MINISGL_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"), flatten))
+#define MINISGL_TARGET_AVX2 __attribute__((target("avx2,fma,f16c"), flatten))
+#endif
+
+#define MINISGL_DEFINE_VARIANTS(T, suffix)                                                                   \
+  __attribute__((flatten)) void decode_##suffix##_base(const Args& a, const DecodeTask& t, float* p,         \
+                                                       Scratch& sc) { decode_any<T, CfgBase>(a, t, p, sc); }  \
+  __attribute__((flatten)) void extend_##suffix##_base(const Args& a, const ExtendTask& t, Scratch& sc) {    \
+    extend_any<T, CfgBase>(a, t, sc);                                                                         \
+  }                                                                                                           \
+  MINISGL_X86_VARIANTS(T, suffix)
+
+#ifdef MINISGL_X86
+#define MINISGL_X86_VARIANTS(T, suffix)                                                                      \
+  MINISGL_TARGET_AVX512 void decode_##suffix##_avx512(const Args& a, const DecodeTask& t, float* p,          \
+                                                      Scratch& sc) { decode_any<T, CfgAvx512>(a, t, p, sc); } \
+  MINISGL_TARGET_AVX512 void extend_##suffix##_avx512(const Args& a, const ExtendTask& t, Scratch& sc) {     \
+    extend_any<T, CfgAvx512>(a, t, sc);                                                                                  \
+  }                                                                                                           \
+  MINISGL_TARGET_AVX2 void decode_##suffix##_avx2(const Args& a, const DecodeTask& t, float* p, Scratch& sc) { \
+    decode_any<T, CfgAvx2>(a, t, p, sc);                                                                      \
+  }                                                                                                           \
+  MINISGL_TARGET_AVX2 void extend_##suffix##_avx2(const Args& a, const ExtendTask& t, Scratch& sc) {         \
+    extend_any<T, CfgAvx2>(a, t, sc);                                                                                  \
+  }
+#else
+#define MINISGL_X86_VARIANTS(T, suffix)
+#endif
+
+MINISGL_DEFINE_VARIANTS(float, f32)
+MINISGL_DEFINE_VARIANTS(c10::BFloat16, bf16)
+MINISGL_DEFINE_VARIANTS(c10::Half, f16)
+
+using DecodeFn = void (*)(const Args&, const DecodeTask&, float*, Scratch&);
+using ExtendFn = void (*)(const Args&, const ExtendTask&, Scratch&);
+
+enum class Isa { base, avx2, avx512 };
+
+Isa best_isa() {
+#ifdef MINISGL_X86
+  // MINISGL_CPU_ISA=avx2|baseline caps the choice (to test the narrower variants on a wide machine).
+  static const Isa isa = [] {
+    __builtin_cpu_init();
+    const char* cap = std::getenv("MINISGL_CPU_ISA");
+    const std::string want = cap ? cap : "";
+    const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    if (avx512 && want != "avx2" && want != "baseline") return Isa::avx512;
+    if (avx2 && want != "baseline") return Isa::avx2;
+    return Isa::base;
+  }();
+  return isa;
+#else
+  return Isa::base;
+#endif
+}
+
+#ifdef MINISGL_X86
+#define MINISGL_PICK(kind, suffix)                                 \
+  (best_isa() == Isa::avx512 ? kind##_##suffix##_avx512            \
+   : best_isa() == Isa::avx2 ? kind##_##suffix##_avx2              \
+                             : kind##_##suffix##_base)
+#else
+#define MINISGL_PICK(kind, suffix) kind##_##suffix##_base
+#endif
+
+DecodeFn pick_decode(at::ScalarType dt) {
+  if (dt == at::kFloat) return MINISGL_PICK(decode, f32);
+  if (dt == at::kBFloat16) return MINISGL_PICK(decode, bf16);
+  return MINISGL_PICK(decode, f16);
+}
+ExtendFn pick_extend(at::ScalarType dt) {
+  if (dt == at::kFloat) return MINISGL_PICK(extend, f32);
+  if (dt == at::kBFloat16) return MINISGL_PICK(extend, bf16);
+  return MINISGL_PICK(extend, f16);
+}
+
+// ---------------------------------------------------------------- host side
+Args make_args(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+               const at::Tensor& page_table, double scale, int64_t window, at::Tensor& out) {
+  Args a;
+  a.q = q.data_ptr();
+  a.q_s0 = q.stride(0);
+  a.q_s1 = q.stride(1);
+  a.k = k_cache.data_ptr();
+  a.v = v_cache.data_ptr();
+  a.k_s0 = k_cache.stride(0);
+  a.k_s1 = k_cache.stride(1);
+  a.v_s0 = v_cache.stride(0);
+  a.v_s1 = v_cache.stride(1);
+  a.pt = page_table.data_ptr();
+  a.pt64 = page_table.scalar_type() == at::kLong;
+  a.pt_s0 = page_table.stride(0);
+  a.pt_s1 = page_table.stride(1);
+  a.Hq = q.size(1);
+  a.Hkv = k_cache.size(1);
+  a.G = a.Hq / a.Hkv;
+  a.D = q.size(2);
+  a.window = window;
+  a.scale = static_cast<float>(scale);
+  a.out = out.data_ptr();
+  TORCH_CHECK(a.D <= kMaxScratchD, "head_dim ", a.D, " is larger than the supported ", kMaxScratchD);
+  return a;
+}
+
+std::vector<int64_t> to_vec(const at::Tensor& t) {
+  auto c = t.to(at::kLong).contiguous();
+  return std::vector<int64_t>(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
+}
+
+void check_rows(const std::vector<int64_t>& rows, const std::vector<int64_t>& lens, const at::Tensor& page_table) {
+  for (size_t b = 0; b < rows.size(); ++b) {
+    TORCH_CHECK(rows[b] >= 0 && rows[b] < page_table.size(0), "table_idx[", b, "] = ", rows[b],
+                " is outside the page table's ", page_table.size(0), " rows");
+    TORCH_CHECK(lens[b] >= 0 && lens[b] <= page_table.size(1), "seq_lens[", b, "] = ", lens[b],
+                " is outside [0, ", page_table.size(1), "]");
+  }
+}
+
+// Below this many multiply-adds a call runs on the calling thread: waking a sleeping worker costs more than
+// the work, and on a busy machine the wake-up can wait for a whole scheduler time slice.
+constexpr int64_t kSerialMacs = int64_t(1) << 18;
+
+// Run tasks (sorted by decreasing cost) on all threads, each thread taking the next one when it is free.
+template <typename F>
+void run_dynamic(int64_t ntasks, int64_t macs, int64_t max_M, int64_t D, int64_t G, F&& fn) {
+  std::atomic<int64_t> next{0};
+  const int64_t nthreads = macs < kSerialMacs ? 1 : std::min<int64_t>(at::get_num_threads(), ntasks);
+  if (nthreads <= 1) {
+    Scratch sc(max_M, D, G);
+    for (int64_t t = 0; t < ntasks; ++t) fn(t, sc);
+    return;
+  }
+  at::parallel_for(0, nthreads, 1, [&](int64_t, int64_t) {
+    Scratch sc(max_M, D, G);
+    for (int64_t t; (t = next.fetch_add(1, std::memory_order_relaxed)) < ntasks;) fn(t, sc);
+  });
+}
+
+}  // namespace
+
+std::string isa_name() {
+  switch (best_isa()) {
+    case Isa::avx512: return "avx512";
+    case Isa::avx2: return "avx2";
+    default: return "baseline";
+  }
+}
+
+}  // namespace cpu
+
+std::string cpu_isa() { return cpu::isa_name(); }
+
+at::Tensor decode_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                const at::Tensor& page_table, const at::Tensor& table_idx,
+                                const at::Tensor& seq_lens, double scale, int64_t sliding_window) {
+  using namespace cpu;
+  auto q = q_in.stride(2) == 1 ? q_in : q_in.contiguous();
+  const int64_t B = q.size(0);
+  auto out = at::empty({B, q.size(1), q.size(2)}, q.options());
+  if (B == 0) return out;
+  const auto rows = to_vec(table_idx), lens = to_vec(seq_lens);
+  check_rows(rows, lens, page_table);
+  Args a = make_args(q, k_cache, v_cache, page_table, scale, sliding_window, out);
+  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(lens[b] >= 1, "seq_lens[", b, "] must be >= 1 for decode");
+
+  // Split long requests into key chunks when there are too few (request, head) pairs to feed every thread.
+  const int64_t nthreads = at::get_num_threads();
+  const int64_t pairs = B * a.Hkv;
+  const int64_t want_splits = pairs >= 4 * nthreads ? 1 : (4 * nthreads + pairs - 1) / pairs;
+  std::vector<DecodeTask> tasks;
+  std::vector<int64_t> first_part(B * a.Hkv + 1, 0);
+  int64_t nparts = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t L = lens[b];
+    const int64_t k0 = sliding_window > 0 ? std::max<int64_t>(0, L - sliding_window) : 0;
+    const int64_t span = L - k0;
+    const int64_t splits = std::max<int64_t>(1, std::min<int64_t>(want_splits, span / 256));
+    const int64_t chunk = (span + splits - 1) / splits;
+    for (int64_t h = 0; h < a.Hkv; ++h) {
+      first_part[b * a.Hkv + h] = nparts;
+      for (int64_t s = k0; s < L; s += chunk) tasks.push_back({b, rows[b], h, s, std::min(L, s + chunk), nparts++});
+    }
+  }
+  first_part[B * a.Hkv] = nparts;
+  std::stable_sort(tasks.begin(), tasks.end(),
+                   [](const DecodeTask& x, const DecodeTask& y) { return x.k1 - x.k0 > y.k1 - y.k0; });
+  const int64_t G = a.G, D = a.D, part_size = G * (D + 2);
+  std::vector<float> parts(nparts * part_size);
+  const DecodeFn fn = pick_decode(q.scalar_type());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention_cpu", [&] {
+    scalar_t* o = out.data_ptr<scalar_t>();
+    // Merge the partial softmax states of one (request, head) and write its G output rows. A pair with a
+    // single part (the common case) is finished by the thread that computed it, inside the same parallel
+    // region; only split pairs need the second pass.
+    auto finish = [&](int64_t bh, float* acc) {
+      const int64_t b = bh / a.Hkv, h = bh % a.Hkv, p0 = first_part[bh], p1 = first_part[bh + 1];
+      for (int64_t g = 0; g < G; ++g) {
+        float mmax = kNegInf;
+        for (int64_t p = p0; p < p1; ++p) mmax = std::max(mmax, parts[p * part_size + g]);
+        float lsum = 0.f;
+        std::fill(acc, acc + D, 0.f);
+        for (int64_t p = p0; p < p1; ++p) {
+          const float* part = parts.data() + p * part_size;
+          const float w = std::exp(part[g] - mmax);
+          lsum += w * part[G + g];
+          const float* pa = part + 2 * G + g * D;
+          for (int64_t d = 0; d < D; ++d) acc[d] += w * pa[d];
+        }
+        from_f32(acc, o + (b * a.Hq + h * G + g) * D, static_cast<int>(D), 1.f / lsum);
+      }
+    };
+    int64_t keys = 0;
+    for (const auto& t : tasks) keys += t.k1 - t.k0;
+    run_dynamic(static_cast<int64_t>(tasks.size()), keys * G * D, G, D, G, [&](int64_t t, Scratch& sc) {
+      fn(a, tasks[t], parts.data(), sc);
+      const int64_t bh = tasks[t].b * a.Hkv + tasks[t].h;
+      if (first_part[bh + 1] - first_part[bh] == 1) finish(bh, sc.row.data());
+    });
+    std::vector<int64_t> split_pairs;
+    for (int64_t bh = 0; bh < B * a.Hkv; ++bh)
+      if (first_part[bh + 1] - first_part[bh] > 1) split_pairs.push_back(bh);
+    if (!split_pairs.empty())
+      at::parallel_for(0, static_cast<int64_t>(split_pairs.size()), 16, [&](int64_t begin, int64_t end) {
+        std::vector<float> acc(D);
+        for (int64_t i = begin; i < end; ++i) finish(split_pairs[i], acc.data());
+      });
+  });
+  return out;
+}
+
+at::Tensor extend_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                const at::Tensor& page_table, const at::Tensor& table_idx,
+                                const at::Tensor& seq_lens, const at::Tensor& extend_lens, double scale,
+                                int64_t sliding_window) {
+  using namespace cpu;
+  auto q = q_in.stride(2) == 1 ? q_in : q_in.contiguous();
+  const int64_t N = q.size(0);
+  auto out = at::empty({N, q.size(1), q.size(2)}, q.options());
+  const auto rows = to_vec(table_idx), lens = to_vec(seq_lens), exts = to_vec(extend_lens);
+  check_rows(rows, lens, page_table);
+  const int64_t B = static_cast<int64_t>(rows.size());
+  int64_t total = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(exts[b] >= 0 && exts[b] <= lens[b], "extend_lens[", b, "] = ", exts[b], " must lie in [0, seq_lens[",
+                b, "] = ", lens[b], "]");
+    total += exts[b];
+  }
+  TORCH_CHECK(total == N, "sum(extend_lens) = ", total, " but q has ", N, " rows");
+  if (N == 0) return out;
+  Args a = make_args(q, k_cache, v_cache, page_table, scale, sliding_window, out);
+  const int64_t G = a.G;
+  const int64_t block = std::max<int64_t>(1, 64 / G);  // queries per task: ~64 (query, head) rows
+  std::vector<ExtendTask> tasks;
+  std::vector<int64_t> cost;
+  int64_t q_begin = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t L = lens[b], ext = exts[b];
+    for (int64_t i0 = 0; i0 < ext; i0 += block)
+      for (int64_t h = 0; h < a.Hkv; ++h) tasks.push_back({q_begin, rows[b], L, ext, h, i0, std::min(ext, i0 + block)});
+    q_begin += ext;
+  }
+  auto task_cost = [&](const ExtendTask& t) {
+    const int64_t p_first = t.L - t.ext + t.i0, p_last = t.L - t.ext + t.i1 - 1;
+    const int64_t lo = sliding_window > 0 ? std::max<int64_t>(0, p_first - sliding_window + 1) : 0;
+    return (t.i1 - t.i0) * (p_last + 1 - lo);
+  };
+  std::stable_sort(tasks.begin(), tasks.end(),
+                   [&](const ExtendTask& x, const ExtendTask& y) { return task_cost(x) > task_cost(y); });
+  const ExtendFn fn = pick_extend(q.scalar_type());
+  int64_t pairs = 0;
+  for (const auto& t : tasks) pairs += task_cost(t);
+  run_dynamic(static_cast<int64_t>(tasks.size()), pairs * G * a.D, block * G, a.D, G,
+              [&](int64_t t, Scratch& sc) { fn(a, tasks[t], sc); });
+  return out;
+}
+
+}  // namespace minisgl

@@ -1,0 +1,33 @@
+// ops.h -- the kernel entry points of minisgl._C (layouts: see common.h).
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <string>
+
+namespace minisgl {
+
+std::string cpu_isa();  // the instruction set the CPU kernels picked at run time: avx512 | avx2 | baseline
+
+void store_kv_cpu(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& out_loc, const at::Tensor& k,
+                  const at::Tensor& v);
+at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                const at::Tensor& page_table, const at::Tensor& table_idx,
+                                const at::Tensor& seq_lens, double scale, int64_t sliding_window);
+at::Tensor extend_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                const at::Tensor& page_table, const at::Tensor& table_idx,
+                                const at::Tensor& seq_lens, const at::Tensor& extend_lens, double scale,
+                                int64_t sliding_window);
+
+#ifdef MINISGL_WITH_CUDA
+void store_kv_cuda(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& out_loc, const at::Tensor& k,
+                   const at::Tensor& v);
+at::Tensor decode_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                 const at::Tensor& page_table, const at::Tensor& table_idx,
+                                 const at::Tensor& seq_lens, double scale, int64_t sliding_window);
+at::Tensor extend_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                 const at::Tensor& page_table, const at::Tensor& table_idx,
+                                 const at::Tensor& seq_lens, const at::Tensor& extend_lens, double scale,
+                                 int64_t sliding_window);
+#endif
+
+}  // namespace minisgl
