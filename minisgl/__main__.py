@@ -5,8 +5,7 @@
 # %% auto #0
 __all__ = []
 
-# %% ../nbs/14_main.ipynb #f59666b4
-#| eval: false
+# %% ../nbs/14_main.ipynb #508b6450
 from .cli import main
 
 if __name__ == "__main__":
