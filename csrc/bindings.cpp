@@ -56,6 +56,12 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
                               sliding_window);
 }
 
+at::Tensor linear_gemv(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                       const std::string& isa) {
+  TORCH_CHECK(!x.is_cuda() && !weight.is_cuda(), "linear_gemv: CPU only (use torch.nn.functional.linear on CUDA)");
+  return linear_gemv_cpu(x, weight, bias, isa);
+}
+
 bool has_cuda() {
 #ifdef MINISGL_WITH_CUDA
   return true;
@@ -77,6 +83,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("extend_attention", &minisgl::extend_attention, "causal paged attention over a cached prefix",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("page_table"), py::arg("table_idx"),
         py::arg("seq_lens"), py::arg("extend_lens"), py::arg("scale"), py::arg("sliding_window") = -1);
+  m.def("linear_gemv", &minisgl::linear_gemv, "y = x @ weight.T (+ bias) for a few rows of x; weight bf16 [N, K]",
+        py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(), py::arg("isa") = "");
+  m.def("linear_isa", &minisgl::linear_isa, "the GEMV variant linear_gemv uses on this machine");
   m.def("has_cuda", &minisgl::has_cuda, "whether the CUDA kernels were compiled in");
   m.def("cpu_isa", &minisgl::cpu_isa, "the instruction set the CPU kernels use on this machine");
 }

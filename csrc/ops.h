@@ -1,6 +1,7 @@
 // ops.h -- the kernel entry points of minisgl._C (layouts: see common.h).
 #pragma once
 #include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
 
 #include <string>
 
@@ -17,6 +18,13 @@ at::Tensor extend_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
                                 const at::Tensor& page_table, const at::Tensor& table_idx,
                                 const at::Tensor& seq_lens, const at::Tensor& extend_lens, double scale,
                                 int64_t sliding_window);
+
+// y[M, N] = x[M, K] @ weight[N, K]^T (+ bias) for small M (decode): weight bf16, x bf16 | fp32, fp32
+// accumulation, y in x's dtype. isa: "" (the best this machine has) or one of linear_isa()'s names at or
+// below it, to test the narrower variants.
+at::Tensor linear_gemv_cpu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                           const std::string& isa);
+std::string linear_isa();  // the GEMV variant picked at run time: avx512bf16 | avx512 | avx2 | baseline
 
 #ifdef MINISGL_WITH_CUDA
 void store_kv_cuda(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& out_loc, const at::Tensor& k,

@@ -12,7 +12,9 @@ import torch.nn as nn
 from fastcore.basics import patch
 
 from .core import Batch, ForwardOutput, SamplingParams
+from .kernels import _ext
 from .kvcache import KVPool
+from .linear import GEMV_MAX_ROWS, gemv_available
 from .models import CausalLM, ForwardContext
 from .sampling import SamplingBatch, sample
 from .weights import eos_token_ids, load_model, load_tokenizer, resolve_model
@@ -84,14 +86,18 @@ def free_memory(device: torch.device) -> int:
 
 # %% ../nbs/08_engine.ipynb #277e87f7
 class PackedLinear(nn.Module):
-    "An `nn.Linear` whose weight is prepacked once for oneDNN (CPU, bf16)."
+    "An `nn.Linear` whose weight is prepacked once for oneDNN (CPU, bf16); decode-sized inputs take the GEMV."
     def __init__(self, lin: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = lin.in_features, lin.out_features
         self.packed = torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), 1)
         self.bias = lin.bias
+        # The plain [N, K] weight too, for `linear_gemv` (shares storage with a tied embedding).
+        self.weight = lin.weight.detach() if gemv_available() else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight is not None and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS:
+            return _ext().linear_gemv(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, 'none', [], '')
 
 def can_pack_linears(device: torch.device, dtype: torch.dtype) -> bool:

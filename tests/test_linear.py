@@ -1,0 +1,104 @@
+"""The decode GEMV (`minisgl._C.linear_gemv`, Python face `minisgl.linear.linear`) against `F.linear` in fp32.
+
+Every ISA variant this machine has (forced through the op's `isa` argument), random shapes including K not
+a multiple of the vector width and odd N, 1..8 rows (and more, which re-stream the weight), bias / no bias,
+bf16 and fp32 x, strided rows; the `MINISGL_CPU_ISA` cap in a subprocess; the argument checks."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minisgl import linear as L
+
+HAS = L.gemv_available()
+needs_ext = pytest.mark.skipif(not HAS, reason="minisgl._C not built (pip install --no-build-isolation -e .)")
+ORDER = ["baseline", "avx2", "avx512", "avx512bf16"]
+ISAS = ORDER[: ORDER.index(L._ext().linear_isa()) + 1] if HAS else []
+
+
+def ref(x, w, b):
+    return F.linear(x.float(), w.float(), None if b is None else b.float())
+
+
+def close(y, r, K, dtype):
+    # fp32 sums in another order, then one rounding to x's dtype
+    atol = 1e-4 * K**0.5 if dtype == torch.float32 else 2e-2 * K**0.5
+    rtol = 1e-4 if dtype == torch.float32 else 1.6e-2
+    torch.testing.assert_close(y.float(), r, atol=atol, rtol=rtol)
+
+
+@needs_ext
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("seed", range(6))
+def test_random_shapes(isa, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    for M in range(1, 9):
+        N = int(torch.randint(1, 300, (1,), generator=g)) | 1  # odd N
+        K = int(torch.randint(1, 1100, (1,), generator=g))
+        if seed % 2 == 0: K = K // 32 * 32 + 31               # K not a multiple of 32 (nor of 16 or 8)
+        w = torch.randn(N, K, generator=g).bfloat16()
+        b = torch.randn(N, generator=g).bfloat16() if (seed + M) % 2 else None
+        stride = K + int(torch.randint(0, 40, (1,), generator=g))
+        x = torch.randn(M, stride, generator=g).to(dtype)[:, :K]  # strided rows
+        y = L._ext().linear_gemv(x, w, b, isa)
+        assert y.dtype == dtype and y.shape == (M, N) and y.is_contiguous()
+        close(y, ref(x, w, b), K, dtype)
+
+
+@needs_ext
+@pytest.mark.parametrize("isa", ISAS)
+def test_model_shapes_and_many_rows(isa):
+    g = torch.Generator().manual_seed(1)
+    for N, K in [(960, 576), (576, 1536), (3072, 576)]:
+        w = torch.randn(N, K, generator=g).bfloat16()
+        for M in (1, 2, 8, 13):  # 13 rows: two passes over W
+            x = torch.randn(M, K, generator=g).bfloat16()
+            close(L._ext().linear_gemv(x, w, None, isa), ref(x, w, None), K, torch.bfloat16)
+
+
+@needs_ext
+def test_edge_cases():
+    ext = L._ext()
+    w = torch.randn(5, 7).bfloat16()
+    assert ext.linear_gemv(torch.randn(0, 7).bfloat16(), w).shape == (0, 5)
+    b = torch.randn(4).bfloat16()
+    y = ext.linear_gemv(torch.randn(2, 0), torch.randn(4, 0).bfloat16(), b)
+    torch.testing.assert_close(y, b.float().expand(2, 4))
+    xt = torch.randn(7, 3).bfloat16().t()  # last dim not contiguous
+    close(ext.linear_gemv(xt, w), ref(xt, w, None), 7, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="weight must be bfloat16"): ext.linear_gemv(torch.randn(1, 7), w.float())
+    with pytest.raises(RuntimeError, match="K=7"): ext.linear_gemv(torch.randn(1, 6), w)
+    with pytest.raises(RuntimeError, match="bias must be"): ext.linear_gemv(torch.randn(1, 7), w, torch.randn(4))
+    with pytest.raises(RuntimeError, match="isa must be"): ext.linear_gemv(torch.randn(1, 7), w, None, "sse9")
+
+
+def test_python_face():
+    w = torch.randn(40, 33).bfloat16()
+    b = torch.randn(40).bfloat16()
+    for shape in [(33,), (1, 33), (2, 33), (1, 2, 33), (3, 4, 33)]:  # GEMV up to GEMV_MAX_ROWS rows, else torch
+        for dtype in (torch.bfloat16, torch.float32):
+            x = torch.randn(*shape).to(dtype)
+            y = L.linear(x, w, b)
+            assert y.shape == (*shape[:-1], 40) and y.dtype == dtype
+            close(y, L.linear_ref(x, w, b).float(), 33, torch.bfloat16)
+    with pytest.raises(ValueError, match="x must end in in_features=33"): L.linear(torch.randn(2, 5), w)
+    with pytest.raises(ValueError, match="weight must be 2-D"): L.linear(torch.randn(2, 5), torch.randn(5))
+    with pytest.raises(ValueError, match="bias must be"): L.linear(torch.randn(2, 33), w, torch.randn(3))
+    with pytest.raises(TypeError, match="x must be a Tensor"): L.linear([1.0], w)
+
+
+@needs_ext
+@pytest.mark.parametrize("cap,want", [("baseline", "baseline"), ("avx2", "avx2"), ("avx512", "avx512")])
+def test_env_cap(cap, want):
+    if want not in ISAS: pytest.skip(f"{want} not available here")
+    code = ("import torch, torch.nn.functional as F; from minisgl import _C; print(_C.linear_isa());"
+            "w = torch.randn(9, 45).bfloat16(); x = torch.randn(3, 45).bfloat16();"
+            "torch.testing.assert_close(_C.linear_gemv(x, w).float(), F.linear(x.float(), w.float()), atol=0.2, rtol=0.02)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={**os.environ, "MINISGL_CPU_ISA": cap}, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split()[0] == want
