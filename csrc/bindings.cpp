@@ -62,6 +62,16 @@ at::Tensor linear_gemv(const at::Tensor& x, const at::Tensor& weight, const c10:
   return linear_gemv_cpu(x, weight, bias, isa);
 }
 
+void fused_add_rms_norm_(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps) {
+  fused_add_rms_norm_cpu(x, residual, weight, eps);
+}
+
+void rope_store_kv_(at::Tensor qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+                    at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& out_loc, int64_t num_q_heads,
+                    int64_t num_kv_heads) {
+  rope_store_kv_cpu(qkv, positions, cos, sin, k_cache, v_cache, out_loc, num_q_heads, num_kv_heads);
+}
+
 bool has_cuda() {
 #ifdef MINISGL_WITH_CUDA
   return true;
@@ -86,6 +96,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_gemv", &minisgl::linear_gemv, "y = x @ weight.T (+ bias) for a few rows of x; weight bf16 [N, K]",
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(), py::arg("isa") = "");
   m.def("linear_isa", &minisgl::linear_isa, "the GEMV variant linear_gemv uses on this machine");
+  m.def("rms_norm", &minisgl::rms_norm_cpu, "RMSNorm of each row of x (CPU): T(T(x * rsqrt(mean(x^2) + eps)) * weight)",
+        py::arg("x"), py::arg("weight"), py::arg("eps"));
+  m.def("fused_add_rms_norm_", &minisgl::fused_add_rms_norm_,
+        "in place (CPU): residual = x + residual; x = rms_norm(residual, weight, eps)", py::arg("x"),
+        py::arg("residual"), py::arg("weight"), py::arg("eps"));
+  m.def("silu_mul", &minisgl::silu_mul_cpu, "silu(gate) * up for gate_up = [gate | up] (CPU)", py::arg("gate_up"));
+  m.def("rope_store_kv_", &minisgl::rope_store_kv_,
+        "rotate the q and k heads of qkv in place (neox rotary, cos/sin tables by position), then store k and v "
+        "at out_loc (CPU)",
+        py::arg("qkv"), py::arg("positions"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("out_loc"), py::arg("num_q_heads"), py::arg("num_kv_heads"));
   m.def("has_cuda", &minisgl::has_cuda, "whether the CUDA kernels were compiled in");
   m.def("cpu_isa", &minisgl::cpu_isa, "the instruction set the CPU kernels use on this machine");
 }

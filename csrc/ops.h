@@ -26,6 +26,15 @@ at::Tensor linear_gemv_cpu(const at::Tensor& x, const at::Tensor& weight, const 
                            const std::string& isa);
 std::string linear_isa();  // the GEMV variant picked at run time: avx512bf16 | avx512 | avx2 | baseline
 
+// Fused element-wise ops of a decoder layer (csrc/cpu/fused.cpp): x, residual, gate_up, qkv are [rows, features]
+// with a contiguous last dimension; fp32 math, rounded to the tensor dtype where the torch reference rounds.
+at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps);
+void fused_add_rms_norm_cpu(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps);
+at::Tensor silu_mul_cpu(const at::Tensor& gate_up);
+void rope_store_kv_cpu(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+                       at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& out_loc, int64_t num_q_heads,
+                       int64_t num_kv_heads);
+
 #ifdef MINISGL_WITH_CUDA
 void store_kv_cuda(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& out_loc, const at::Tensor& k,
                    const at::Tensor& v);

@@ -1,0 +1,210 @@
+// fused.cpp -- small fused element-wise ops for the decoder layers on the CPU, so that one decode step runs
+// a few C++ calls per layer instead of ~20 torch ops (each of which costs a dispatch and an allocation).
+// Every op computes in fp32 and rounds to the tensor dtype at the same points as its torch reference in
+// nbs/05_models.ipynb, so results match it (up to the order of the sum in RMSNorm).
+//   rms_norm(x, weight, eps)                   -> T(T(x * rsqrt(mean(x^2) + eps)) * weight)
+//   fused_add_rms_norm_(x, residual, weight, eps): residual = T(x + residual); x = rms_norm(residual)  (in place)
+//   silu_mul(gate_up)                          -> T(T(silu(gate)) * up)   (gate_up = [gate | up])
+//   rope_store_kv_(qkv, positions, cos, sin, k_cache, v_cache, out_loc, Hq, Hkv):
+//       rotates the q and k heads of qkv [N, (Hq + 2 Hkv) * D] in place (neox style, cos = [c, c],
+//       sin = [-s, s] tables [max_pos, D]: x' = T(T(x * cos) + roll(x, D/2) * sin)), then writes the
+//       rotated k heads and the v heads of token i into slot out_loc[i] of k_cache / v_cache.
+// Rows are independent; they are split over threads only when there are many (prefill): a decode step's
+// single row is cheaper on the calling thread than waking the pool.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "../ops.h"
+#include "vec.h"
+
+namespace minisgl {
+namespace {
+
+constexpr int64_t kGrain = 16;  // rows per task
+
+template <typename T>
+inline float f32(T v) { return static_cast<float>(v); }
+
+void check_rows(const at::Tensor& t, const char* fn, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), fn, ": ", name, " must be a CPU tensor");
+  TORCH_CHECK(t.dim() == 2, fn, ": ", name, " must be 2-D [rows, features], got ", t.sizes());
+  TORCH_CHECK(t.stride(1) == 1, fn, ": ", name, " must be contiguous in its last dimension");
+  auto st = t.scalar_type();
+  TORCH_CHECK(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf, fn, ": ", name,
+              " must be float32, bfloat16 or float16, got ", st);
+}
+
+void check_weight(const at::Tensor& w, const at::Tensor& x, const char* fn) {
+  TORCH_CHECK(w.device().is_cpu() && w.dim() == 1 && w.size(0) == x.size(1) && w.is_contiguous(), fn,
+              ": weight must be a contiguous CPU [", x.size(1), "] tensor, got ", w.sizes());
+  TORCH_CHECK(w.scalar_type() == x.scalar_type(), fn, ": weight dtype ", w.scalar_type(), " != x dtype ",
+              x.scalar_type());
+}
+
+// One row: dst[j] = T(T(src[j] * r) * w[j]), r = rsqrt(mean(src^2) + eps), src already fp32.
+template <typename T>
+inline void norm_row(const float* __restrict src, const T* __restrict w, T* __restrict dst, int64_t n, float eps) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t j = 0; j < n; ++j) ss += src[j] * src[j];
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+  for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<T>(f32(static_cast<T>(src[j] * r)) * f32(w[j]));
+}
+
+template <typename F>
+void for_rows(int64_t rows, F&& f) {
+  if (rows <= kGrain) {
+    f(0, rows);
+  } else {
+    at::parallel_for(0, rows, kGrain, f);
+  }
+}
+
+}  // namespace
+
+at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "rms_norm", "x");
+  check_weight(weight, x, "rms_norm");
+  auto out = at::empty_like(x, at::MemoryFormat::Contiguous);
+  const int64_t rows = x.size(0), n = x.size(1), xs = x.stride(0);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    for_rows(rows, [&](int64_t r0, int64_t r1) {
+      std::vector<float> buf(n);
+      for (int64_t i = r0; i < r1; ++i) {
+        for (int64_t j = 0; j < n; ++j) buf[j] = f32(xp[i * xs + j]);
+        norm_row(buf.data(), wp, op + i * n, n, static_cast<float>(eps));
+      }
+    });
+  });
+  return out;
+}
+
+void fused_add_rms_norm_cpu(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
+  check_rows(x, "fused_add_rms_norm_", "x");
+  check_rows(residual, "fused_add_rms_norm_", "residual");
+  check_weight(weight, x, "fused_add_rms_norm_");
+  TORCH_CHECK(x.sizes() == residual.sizes() && x.scalar_type() == residual.scalar_type(),
+              "fused_add_rms_norm_: x and residual must share shape and dtype, got ", x.sizes(), " ",
+              x.scalar_type(), " and ", residual.sizes(), " ", residual.scalar_type());
+  const int64_t rows = x.size(0), n = x.size(1), xs = x.stride(0), rs = residual.stride(0);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "fused_add_rms_norm_", [&] {
+    scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* rp = residual.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    for_rows(rows, [&](int64_t r0, int64_t r1) {
+      std::vector<float> buf(n);
+      for (int64_t i = r0; i < r1; ++i) {
+        scalar_t* xr = xp + i * xs;
+        scalar_t* rr = rp + i * rs;
+        for (int64_t j = 0; j < n; ++j) {
+          const scalar_t s = static_cast<scalar_t>(f32(xr[j]) + f32(rr[j]));
+          rr[j] = s;
+          buf[j] = f32(s);
+        }
+        norm_row(buf.data(), wp, xr, n, static_cast<float>(eps));
+      }
+    });
+  });
+}
+
+at::Tensor silu_mul_cpu(const at::Tensor& gate_up) {
+  check_rows(gate_up, "silu_mul", "gate_up");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "silu_mul: gate_up must have an even last dimension, got ", gate_up.sizes());
+  const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2, gs = gate_up.stride(0);
+  auto out = at::empty({rows, n}, gate_up.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_mul", [&] {
+    const scalar_t* gp = gate_up.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    for_rows(rows, [&](int64_t r0, int64_t r1) {
+      for (int64_t i = r0; i < r1; ++i) {
+        const scalar_t* g = gp + i * gs;
+        const scalar_t* u = g + n;
+        scalar_t* o = op + i * n;
+        for (int64_t j = 0; j < n; ++j) {
+          const float x = f32(g[j]);
+          const scalar_t sg = static_cast<scalar_t>(x / (1.f + std::exp(-x)));
+          o[j] = static_cast<scalar_t>(f32(sg) * f32(u[j]));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+void rope_store_kv_cpu(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+                       at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& out_loc, int64_t num_q_heads,
+                       int64_t num_kv_heads) {
+  const char* fn = "rope_store_kv_";
+  check_rows(qkv, fn, "qkv");
+  TORCH_CHECK(k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(), fn,
+              ": k_cache and v_cache must both be [num_slots, Hkv, D], got ", k_cache.sizes(), " and ",
+              v_cache.sizes());
+  const int64_t N = qkv.size(0), D = k_cache.size(2), slots = k_cache.size(0);
+  TORCH_CHECK(num_q_heads >= 1 && num_kv_heads == k_cache.size(1), fn, ": num_kv_heads ", num_kv_heads,
+              " must match k_cache's ", k_cache.size(1), " and num_q_heads must be >= 1");
+  TORCH_CHECK(qkv.size(1) == (num_q_heads + 2 * num_kv_heads) * D, fn, ": qkv must be [N, (Hq + 2 Hkv) * D] = [N, ",
+              (num_q_heads + 2 * num_kv_heads) * D, "], got ", qkv.sizes());
+  TORCH_CHECK(D % 2 == 0, fn, ": head_dim must be even, got ", D);
+  for (const auto* t : {&k_cache, &v_cache}) {
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == qkv.scalar_type() && t->stride(2) == 1, fn,
+                ": caches must be CPU tensors of qkv's dtype, contiguous in head_dim");
+  }
+  for (const auto* t : {&cos, &sin}) {
+    TORCH_CHECK(t->device().is_cpu() && t->dim() == 2 && t->size(1) == D && t->is_contiguous() &&
+                    t->scalar_type() == qkv.scalar_type(),
+                fn, ": cos and sin must be contiguous [max_pos, D] tables of qkv's dtype, got ", t->sizes());
+  }
+  for (const auto* t : {&positions, &out_loc}) {
+    TORCH_CHECK(t->device().is_cpu() && t->dim() == 1 && t->size(0) == N &&
+                    (t->scalar_type() == at::kLong || t->scalar_type() == at::kInt),
+                fn, ": positions and out_loc must be 1-D int32/int64 CPU tensors of N = ", N, " entries");
+  }
+  if (N == 0) return;
+  auto pos = positions.to(at::kLong).contiguous();
+  auto loc = out_loc.to(at::kLong).contiguous();
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  const int64_t* lp = loc.data_ptr<int64_t>();
+  const int64_t max_pos = cos.size(0);
+  for (int64_t i = 0; i < N; ++i) {  // a bad index would be a silent out-of-bounds read or write
+    TORCH_CHECK(pp[i] >= 0 && pp[i] < max_pos, fn, ": position ", pp[i], " outside [0, ", max_pos, ")");
+    TORCH_CHECK(lp[i] >= 0 && lp[i] < slots, fn, ": out_loc ", lp[i], " outside [0, ", slots, ")");
+  }
+  const int64_t Hq = num_q_heads, Hkv = num_kv_heads, half = D / 2, qs = qkv.stride(0);
+  const int64_t ks0 = k_cache.stride(0), ks1 = k_cache.stride(1), vs0 = v_cache.stride(0), vs1 = v_cache.stride(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_store_kv_", [&] {
+    scalar_t* base = qkv.data_ptr<scalar_t>();
+    const scalar_t* cp = cos.data_ptr<scalar_t>();
+    const scalar_t* sp = sin.data_ptr<scalar_t>();
+    scalar_t* kc = k_cache.data_ptr<scalar_t>();
+    scalar_t* vc = v_cache.data_ptr<scalar_t>();
+    for_rows(N, [&](int64_t r0, int64_t r1) {
+      std::vector<float> c(D), s(D), x(D);
+      for (int64_t i = r0; i < r1; ++i) {
+        scalar_t* row = base + i * qs;
+        for (int64_t j = 0; j < D; ++j) c[j] = f32(cp[pp[i] * D + j]), s[j] = f32(sp[pp[i] * D + j]);
+        for (int64_t h = 0; h < Hq + Hkv; ++h) {
+          scalar_t* hd = row + h * D;
+          for (int64_t j = 0; j < D; ++j) x[j] = f32(hd[j]);
+          for (int64_t j = 0; j < D; ++j) {
+            const float a = f32(static_cast<scalar_t>(x[j] * c[j]));
+            const float rolled = x[j < half ? j + half : j - half];
+            hd[j] = static_cast<scalar_t>(a + rolled * s[j]);
+          }
+        }
+        for (int64_t h = 0; h < Hkv; ++h) {
+          std::memcpy(kc + lp[i] * ks0 + h * ks1, row + (Hq + h) * D, sizeof(scalar_t) * D);
+          std::memcpy(vc + lp[i] * vs0 + h * vs1, row + (Hq + Hkv + h) * D, sizeof(scalar_t) * D);
+        }
+      }
+    });
+  });
+}
+
+}  // namespace minisgl
