@@ -6,7 +6,7 @@ __version__ = "0.1.0"
 # %% auto #0
 __all__ = []
 
-# %% ../nbs/index.ipynb #399642a1
+# %% ../nbs/index.ipynb #7822dccf
 def __getattr__(name: str):
     "Import `LLM` on first use, so that `import minisgl` (and `minisgl --help`) does not load torch."
     if name == "LLM":
