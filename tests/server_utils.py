@@ -93,3 +93,13 @@ def alive(pid: int) -> bool:
         return state != "Z"
     except OSError:
         return False
+
+
+def survivors(pids: list[int], grace_s: float = 5.0) -> list[int]:
+    """The processes among `pids` still alive after `grace_s` seconds.
+
+    multiprocessing's resource tracker (one of the server's children) exits only once the last process
+    holding its pipe is gone, a moment after the server itself: give it a short grace period."""
+    deadline = time.monotonic() + grace_s
+    while (left := [p for p in pids if alive(p)]) and time.monotonic() < deadline: time.sleep(0.1)
+    return left

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from server_utils import ENV, ServerProc, alive
+from server_utils import ENV, ServerProc, survivors
 
 MINISGL = [sys.executable, "-m", "minisgl"]
 
@@ -134,5 +134,5 @@ def test_serve_stops_on_sigint(overlap_server):
     assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "abort"
     assert s.proc.wait(30) == 0, s.output()
     assert "Traceback" not in s.output(), s.output()
-    assert not any(alive(p) for p in children)
+    assert not survivors(children), s.output()
     assert not os.path.exists(ipc_dir)
