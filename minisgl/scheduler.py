@@ -308,10 +308,20 @@ def _forward(self: Scheduler, batch: Batch) -> ForwardOutput | Future:
 
 # %% ../nbs/02_scheduler.ipynb #29cfef70
 @patch
+def _tail_has_stop(self: Scheduler, req: Req) -> bool:
+    "Could the newest token have completed a stop string? Decodes only the last few tokens."
+    # An earlier occurrence would already have finished the request, so a new one ends in the tail.
+    # Decoding the whole output every round would make long answers quadratic; a character is at
+    # most 4 bytes and a token at least one, so 4 tokens per character (plus slack) always cover it.
+    window = 4 * max(map(len, req.sampling_params.stop)) + 4
+    tail = self.detokenize(req.output_ids[-window:])
+    return any(s in tail for s in req.sampling_params.stop)
+
+@patch
 def _finish_reason(self: Scheduler, req: Req, token: int) -> tuple[str | None, str | None]:
     sp = req.sampling_params
     if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.engine.eos_token_ids): return 'stop', None
-    if sp.stop:
+    if sp.stop and self._tail_has_stop(req):
         text = self.detokenize(req.output_ids)
         hits = [i for i in (text.find(s) for s in sp.stop) if i >= 0]
         if hits: return 'stop', text[:min(hits)]
