@@ -80,6 +80,8 @@ class TableManager:
 
     @property
     def available_size(self) -> int: "Free rows."; return len(self._free_rows)
+    @property
+    def free_rows(self) -> list[int]: "The rows no request holds (a copy)."; return list(self._free_rows)
 
     def allocate(self) -> int:
         if not self._free_rows: raise RuntimeError("no free request slot")

@@ -489,6 +489,6 @@ def check_integrity(self: Scheduler):
     "Assert that pages, table rows and the prefix cache agree with the live requests."
     live = self.live_reqs()
     self.cache_manager.check_integrity(live)
-    rows = self.table_manager._free_rows + self._deferred_rows + [r.table_idx for r in live]
+    rows = self.table_manager.free_rows + self._deferred_rows + [r.table_idx for r in live]
     assert sorted(rows) == list(range(self.table_manager.max_running_reqs)), f"table rows: free/deferred/live = {rows}"
     assert set(self.cache_manager.owned) == {r.table_idx for r in live}, "a row owns pages but runs nothing"
