@@ -4,6 +4,8 @@
 #include <c10/util/Optional.h>
 
 #include <string>
+#include <tuple>
+#include <vector>
 
 namespace minisgl {
 
@@ -34,6 +36,15 @@ at::Tensor silu_mul_cpu(const at::Tensor& gate_up);
 void rope_store_kv_cpu(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
                        at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& out_loc, int64_t num_q_heads,
                        int64_t num_kv_heads);
+
+// All decoder layers of a small bf16 decode step (csrc/cpu/decode.cpp): the loop of CausalLM._decode_layers in
+// C++, calling the kernels above; weights are 10 per layer (see decode.cpp). Returns (x, residual).
+std::tuple<at::Tensor, at::Tensor> decode_layers_cpu(
+    const at::Tensor& x, const std::vector<c10::optional<at::Tensor>>& weights, double eps,
+    const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches, const at::Tensor& cos,
+    const at::Tensor& sin, const at::Tensor& positions, const at::Tensor& out_loc, const at::Tensor& page_table,
+    const at::Tensor& table_idx, const at::Tensor& seq_lens, int64_t num_q_heads, int64_t num_kv_heads,
+    double scale, const std::vector<int64_t>& sliding_windows);
 
 #ifdef MINISGL_WITH_CUDA
 void store_kv_cuda(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& out_loc, const at::Tensor& k,

@@ -36,6 +36,7 @@
 
 #include "../common.h"
 #include "../ops.h"
+#include "attention_plan.h"
 #include "vec.h"
 
 namespace minisgl {
@@ -425,45 +426,81 @@ std::string isa_name() {
 
 std::string cpu_isa() { return cpu::isa_name(); }
 
-at::Tensor decode_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                const at::Tensor& page_table, const at::Tensor& table_idx,
-                                const at::Tensor& seq_lens, double scale, int64_t sliding_window) {
-  using namespace cpu;
-  auto q = q_in.stride(2) == 1 ? q_in : q_in.contiguous();
-  const int64_t B = q.size(0);
-  auto out = at::empty({B, q.size(1), q.size(2)}, q.options());
-  if (B == 0) return out;
+namespace cpu {
+
+struct DecodeAttentionPlan::Impl {
+  Args a;
+  at::ScalarType dtype;
+  DecodeFn fn;
+  int64_t B = 0, macs = 0, part_size = 0;
+  std::vector<DecodeTask> tasks;        // longest first
+  std::vector<int64_t> first_part;      // parts of pair bh: [first_part[bh], first_part[bh + 1])
+  std::vector<int64_t> split_pairs;     // pairs with more than one part: merged after all tasks
+  std::vector<float> parts;             // per part: G maxima, G sums, G x D accumulators
+  std::unique_ptr<Scratch> scratch;     // for runs on the calling thread
+};
+
+DecodeAttentionPlan::DecodeAttentionPlan(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                         const at::Tensor& page_table, const at::Tensor& table_idx,
+                                         const at::Tensor& seq_lens, double scale, int64_t sliding_window,
+                                         const at::Tensor& out, int64_t threads)
+    : impl_(new Impl) {
+  Impl& p = *impl_;
+  TORCH_CHECK(q.stride(2) == 1 && out.is_contiguous() && out.sizes() == q.sizes() &&
+                  out.scalar_type() == q.scalar_type(),
+              "decode attention plan: q must be contiguous in head_dim and out a contiguous tensor like q");
+  p.B = q.size(0);
   const auto rows = to_vec(table_idx), lens = to_vec(seq_lens);
   check_rows(rows, lens, page_table);
-  Args a = make_args(q, k_cache, v_cache, page_table, scale, sliding_window, out);
-  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(lens[b] >= 1, "seq_lens[", b, "] must be >= 1 for decode");
-
+  at::Tensor o = out;
+  p.a = make_args(q, k_cache, v_cache, page_table, scale, sliding_window, o);
+  p.dtype = q.scalar_type();
+  p.fn = pick_decode(p.dtype);
+  for (int64_t b = 0; b < p.B; ++b) TORCH_CHECK(lens[b] >= 1, "seq_lens[", b, "] must be >= 1 for decode");
   // Split long requests into key chunks when there are too few (request, head) pairs to feed every thread.
-  const int64_t nthreads = at::get_num_threads();
-  const int64_t pairs = B * a.Hkv;
-  const int64_t want_splits = pairs >= 4 * nthreads ? 1 : (4 * nthreads + pairs - 1) / pairs;
-  std::vector<DecodeTask> tasks;
-  std::vector<int64_t> first_part(B * a.Hkv + 1, 0);
+  const Args& a = p.a;
+  const int64_t pairs = p.B * a.Hkv;
+  const int64_t want_splits = pairs >= 4 * threads ? 1 : (4 * threads + pairs - 1) / pairs;
+  p.first_part.assign(pairs + 1, 0);
   int64_t nparts = 0;
-  for (int64_t b = 0; b < B; ++b) {
+  for (int64_t b = 0; b < p.B; ++b) {
     const int64_t L = lens[b];
     const int64_t k0 = sliding_window > 0 ? std::max<int64_t>(0, L - sliding_window) : 0;
     const int64_t span = L - k0;
     const int64_t splits = std::max<int64_t>(1, std::min<int64_t>(want_splits, span / 256));
     const int64_t chunk = (span + splits - 1) / splits;
     for (int64_t h = 0; h < a.Hkv; ++h) {
-      first_part[b * a.Hkv + h] = nparts;
-      for (int64_t s = k0; s < L; s += chunk) tasks.push_back({b, rows[b], h, s, std::min(L, s + chunk), nparts++});
+      p.first_part[b * a.Hkv + h] = nparts;
+      for (int64_t s = k0; s < L; s += chunk) p.tasks.push_back({b, rows[b], h, s, std::min(L, s + chunk), nparts++});
     }
   }
-  first_part[B * a.Hkv] = nparts;
-  std::stable_sort(tasks.begin(), tasks.end(),
+  p.first_part[pairs] = nparts;
+  std::stable_sort(p.tasks.begin(), p.tasks.end(),
                    [](const DecodeTask& x, const DecodeTask& y) { return x.k1 - x.k0 > y.k1 - y.k0; });
-  const int64_t G = a.G, D = a.D, part_size = G * (D + 2);
-  std::vector<float> parts(nparts * part_size);
-  const DecodeFn fn = pick_decode(q.scalar_type());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention_cpu", [&] {
-    scalar_t* o = out.data_ptr<scalar_t>();
+  p.part_size = a.G * (a.D + 2);
+  p.parts.resize(nparts * p.part_size);
+  for (int64_t bh = 0; bh < pairs; ++bh)
+    if (p.first_part[bh + 1] - p.first_part[bh] > 1) p.split_pairs.push_back(bh);
+  for (const auto& t : p.tasks) p.macs += (t.k1 - t.k0) * a.G * a.D;
+  p.scratch.reset(new Scratch(a.G, a.D, a.G));
+}
+
+DecodeAttentionPlan::~DecodeAttentionPlan() = default;
+
+void DecodeAttentionPlan::run(const at::Tensor& k_cache, const at::Tensor& v_cache, bool parallel) {
+  Impl& p = *impl_;
+  Args a = p.a;
+  a.k = k_cache.data_ptr();
+  a.v = v_cache.data_ptr();
+  a.k_s0 = k_cache.stride(0);
+  a.k_s1 = k_cache.stride(1);
+  a.v_s0 = v_cache.stride(0);
+  a.v_s1 = v_cache.stride(1);
+  const int64_t G = a.G, D = a.D, part_size = p.part_size;
+  float* parts = p.parts.data();
+  const auto& first_part = p.first_part;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, p.dtype, "decode_attention_cpu", [&] {
+    scalar_t* o = static_cast<scalar_t*>(a.out);
     // Merge the partial softmax states of one (request, head) and write its G output rows. A pair with a
     // single part (the common case) is finished by the thread that computed it, inside the same parallel
     // region; only split pairs need the second pass.
@@ -471,11 +508,11 @@ at::Tensor decode_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cach
       const int64_t b = bh / a.Hkv, h = bh % a.Hkv, p0 = first_part[bh], p1 = first_part[bh + 1];
       for (int64_t g = 0; g < G; ++g) {
         float mmax = kNegInf;
-        for (int64_t p = p0; p < p1; ++p) mmax = std::max(mmax, parts[p * part_size + g]);
+        for (int64_t q = p0; q < p1; ++q) mmax = std::max(mmax, parts[q * part_size + g]);
         float lsum = 0.f;
         std::fill(acc, acc + D, 0.f);
-        for (int64_t p = p0; p < p1; ++p) {
-          const float* part = parts.data() + p * part_size;
+        for (int64_t q = p0; q < p1; ++q) {
+          const float* part = parts + q * part_size;
           const float w = std::exp(part[g] - mmax);
           lsum += w * part[G + g];
           const float* pa = part + 2 * G + g * D;
@@ -484,22 +521,39 @@ at::Tensor decode_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cach
         from_f32(acc, o + (b * a.Hq + h * G + g) * D, static_cast<int>(D), 1.f / lsum);
       }
     };
-    int64_t keys = 0;
-    for (const auto& t : tasks) keys += t.k1 - t.k0;
-    run_dynamic(static_cast<int64_t>(tasks.size()), keys * G * D, G, D, G, [&](int64_t t, Scratch& sc) {
-      fn(a, tasks[t], parts.data(), sc);
-      const int64_t bh = tasks[t].b * a.Hkv + tasks[t].h;
+    auto task = [&](int64_t t, Scratch& sc) {
+      p.fn(a, p.tasks[t], parts, sc);
+      const int64_t bh = p.tasks[t].b * a.Hkv + p.tasks[t].h;
       if (first_part[bh + 1] - first_part[bh] == 1) finish(bh, sc.row.data());
-    });
-    std::vector<int64_t> split_pairs;
-    for (int64_t bh = 0; bh < B * a.Hkv; ++bh)
-      if (first_part[bh + 1] - first_part[bh] > 1) split_pairs.push_back(bh);
-    if (!split_pairs.empty())
-      at::parallel_for(0, static_cast<int64_t>(split_pairs.size()), 16, [&](int64_t begin, int64_t end) {
-        std::vector<float> acc(D);
-        for (int64_t i = begin; i < end; ++i) finish(split_pairs[i], acc.data());
-      });
+    };
+    const int64_t ntasks = static_cast<int64_t>(p.tasks.size());
+    if (parallel) {
+      run_dynamic(ntasks, p.macs, G, D, G, task);
+      if (!p.split_pairs.empty())
+        at::parallel_for(0, static_cast<int64_t>(p.split_pairs.size()), 16, [&](int64_t begin, int64_t end) {
+          std::vector<float> acc(D);
+          for (int64_t i = begin; i < end; ++i) finish(p.split_pairs[i], acc.data());
+        });
+    } else {
+      for (int64_t t = 0; t < ntasks; ++t) task(t, *p.scratch);
+      for (const int64_t bh : p.split_pairs) finish(bh, p.scratch->row.data());
+    }
   });
+}
+
+}  // namespace cpu
+
+at::Tensor decode_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                const at::Tensor& page_table, const at::Tensor& table_idx,
+                                const at::Tensor& seq_lens, double scale, int64_t sliding_window) {
+  using namespace cpu;
+  auto q = q_in.stride(2) == 1 ? q_in : q_in.contiguous();
+  const int64_t B = q.size(0);
+  auto out = at::empty({B, q.size(1), q.size(2)}, q.options());
+  if (B == 0) return out;
+  DecodeAttentionPlan plan(q, k_cache, v_cache, page_table, table_idx, seq_lens, scale, sliding_window, out,
+                           at::get_num_threads());
+  plan.run(k_cache, v_cache, true);
   return out;
 }
 

@@ -16,6 +16,8 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
+#include <string>
 #include <vector>
 
 #include "../ops.h"
@@ -114,11 +116,74 @@ void fused_add_rms_norm_cpu(at::Tensor& x, at::Tensor& residual, const at::Tenso
   });
 }
 
+namespace {
+
+// silu_mul for bf16 rows, vectorised: silu(x) = x * sigmoid(x) with e = exp(-|x|) from `exp_neg` (vec.h,
+// ~1e-7 relative error; std::exp does not vectorise), sigmoid = 1 / (1 + e) for x >= 0 and e / (1 + e) below,
+// and bf16 rounding to nearest even written out so that the loop vectorises (NaN stays NaN). Compiled for
+// AVX-512 and AVX2 and picked at run time; a row of 1536 took ~8 us with scalar std::exp, ~1 us here.
+inline uint16_t bf16_round(float f) {
+  const uint32_t b = __builtin_bit_cast(uint32_t, f);
+  const uint32_t r = (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
+  return f != f ? uint16_t(0x7fc0) : uint16_t(r);
+}
+inline float bf16_float(uint16_t v) { return __builtin_bit_cast(float, uint32_t(v) << 16); }
+
+using cpu::exp_neg;
+using cpu::kNegInf;
+
+inline void silu_mul_bf16_row(const uint16_t* __restrict g, const uint16_t* __restrict u, uint16_t* __restrict o,
+                              int64_t n) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) {
+    const float x = bf16_float(g[j]);
+    const float h = exp_neg(0.5f * (x < 0.f ? x : -x));  // exp(-|x| / 2): exact down to x = -174
+    const float e = h * h;
+    const float sig = (x < 0.f ? e : 1.f) / (1.f + e);
+    // as torch's x / (1 + exp(-x)): -0 once exp(-x) overflows fp32, NaN at -inf
+    const float s = x < -88.7228f ? (x == kNegInf ? std::numeric_limits<float>::quiet_NaN() : -0.f) : x * sig;
+    const float sg = bf16_float(bf16_round(s));
+    o[j] = bf16_round(sg * bf16_float(u[j]));
+  }
+}
+
+using SiluRowFn = void (*)(const uint16_t*, const uint16_t*, uint16_t*, int64_t);
+#if defined(__GNUC__) && defined(__x86_64__)
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"), flatten)) void silu_row_avx512(
+    const uint16_t* g, const uint16_t* u, uint16_t* o, int64_t n) { silu_mul_bf16_row(g, u, o, n); }
+__attribute__((target("avx2,fma"), flatten)) void silu_row_avx2(const uint16_t* g, const uint16_t* u, uint16_t* o,
+                                                               int64_t n) { silu_mul_bf16_row(g, u, o, n); }
+#endif
+void silu_row_base(const uint16_t* g, const uint16_t* u, uint16_t* o, int64_t n) { silu_mul_bf16_row(g, u, o, n); }
+
+SiluRowFn pick_silu_row() {
+#if defined(__GNUC__) && defined(__x86_64__)
+  static const SiluRowFn f = [] {
+    const std::string isa = cpu_isa();  // the attention kernels' choice (MINISGL_CPU_ISA caps it the same way)
+    return isa == "avx512" ? silu_row_avx512 : isa == "avx2" ? silu_row_avx2 : silu_row_base;
+  }();
+  return f;
+#else
+  return silu_row_base;
+#endif
+}
+
+}  // namespace
+
 at::Tensor silu_mul_cpu(const at::Tensor& gate_up) {
   check_rows(gate_up, "silu_mul", "gate_up");
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "silu_mul: gate_up must have an even last dimension, got ", gate_up.sizes());
   const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2, gs = gate_up.stride(0);
   auto out = at::empty({rows, n}, gate_up.options());
+  if (gate_up.scalar_type() == at::kBFloat16) {
+    const uint16_t* gp = reinterpret_cast<const uint16_t*>(gate_up.data_ptr());
+    uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+    const SiluRowFn row = pick_silu_row();
+    for_rows(rows, [&](int64_t r0, int64_t r1) {
+      for (int64_t i = r0; i < r1; ++i) row(gp + i * gs, gp + i * gs + n, op + i * n, n);
+    });
+    return out;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_mul", [&] {
     const scalar_t* gp = gate_up.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();

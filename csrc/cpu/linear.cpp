@@ -3,15 +3,17 @@
 // Decode multiplies a handful of activation rows by every weight matrix once per token, so the time goes
 // into streaming W from memory; a general GEMM library (oneDNN) blocks for reuse that is not there and
 // leaves bandwidth unused. This kernel walks W once, in its stored [N, K] layout:
-//   - the N output features are split into contiguous blocks of rows, one range per thread
-//     (at::parallel_for), so each core streams its own part of W;
+//   - the N output features are split into contiguous blocks of rows, one range per thread (a GemvPlan,
+//     gemv.h: at::parallel_for runs the parts here, decode.cpp runs them inside its own parallel region), so
+//     each core streams its own part of W;
 //   - avx512bf16 (the decode path here): one weight row at a time, front to back, so each thread reads
-//     ONE sequential stream (software-prefetched kPfBytes ahead); M x 2 accumulator chains, x from L1.
-//     Measured over the default model's 121 matmuls (weights cold, 2 threads) this streamed ~23 GB/s at
-//     M = 1 against ~20 GB/s for blocks of 8 interleaved rows and ~17 GB/s for oneDNN;
+//     ONE sequential stream, software-prefetched kPfBytes ahead into L2 (the T1 hint; 16 KB ahead measured
+//     ~29 GB/s on two cores against ~26 GB/s for 8 KB into L1 and ~26 GB/s with no prefetch); M x 2
+//     accumulator chains, x from L1. Blocks of 2-8 interleaved rows streamed ~19 GB/s, oneDNN ~17 GB/s;
 //   - the fp32 paths take R weight rows at a time with M x R accumulators in registers (R from M so the
 //     block fits the register file), prefetching kPfRows rows ahead;
-//   - fp32 accumulation, one horizontal sum per output, bias added, written in x's dtype.
+//   - fp32 accumulation, one horizontal sum per output, bias added, written in x's dtype by the kernel
+//     itself (no fp32 buffer and no separate conversion pass).
 // ISA variants, picked once at run time (MINISGL_CPU_ISA=avx512|avx2|baseline caps the choice, as for the
 // attention kernels; the `isa` argument forces one for tests):
 //   avx512bf16 : bf16 x, `vdpbf16ps` (32 bf16 products per instruction, pairs summed in fp32);
@@ -33,7 +35,10 @@
 #define MINISGL_LIN_X86 1
 #endif
 
+#include <c10/util/BFloat16.h>
+
 #include "../ops.h"
+#include "gemv.h"
 
 #pragma GCC diagnostic ignored "-Wpsabi"
 
@@ -41,20 +46,14 @@ namespace minisgl {
 namespace cpu {
 namespace {
 
-constexpr int kMaxM = 8;
+constexpr int kMaxM = kGemvMaxM;
 constexpr int kPfRows = 16;      // software prefetch distance of the blocked kernels, in weight rows
-constexpr int64_t kPfBytes = 8192;  // ... of the sequential bf16 kernel, in bytes  // software prefetch distance, in weight rows (~18 KB ahead at K = 576)
+constexpr int64_t kPfBytes = 16384;  // ... of the sequential bf16 kernel, in bytes
 
-struct LinArgs {
-  const uint16_t* w;  // [N, K] bf16 bits, contiguous
-  int64_t N, K;
-  const float* xf;     // [M, K] fp32, contiguous (fp32 paths)
-  const uint16_t* xb;  // [M, xs] bf16 bits (dpbf16 path), last dim contiguous
-  int64_t xs;
-  const float* bias;   // [N] fp32 or null
-  float* y;            // [M, N] fp32 output
-  int M;
-};
+inline void store(const LinArgs& a, int m, int64_t n, float v) {
+  if (a.yb) a.yb[m * a.ys + n] = c10::BFloat16(v).x;
+  else a.y[m * a.ys + n] = v;
+}
 
 inline float bf16_to_f32(uint16_t v) { return __builtin_bit_cast(float, uint32_t(v) << 16); }
 
@@ -73,7 +72,7 @@ void block_base(const LinArgs& a, int64_t n0, int64_t n1) {
       for (int m = 0; m < M; ++m) acc[m] += wv * a.xf[m * K + k];
     }
     const float b = a.bias ? a.bias[n] : 0.f;
-    for (int m = 0; m < M; ++m) a.y[m * a.N + n] = acc[m] + b;
+    for (int m = 0; m < M; ++m) store(a, m, n, acc[m] + b);
   }
 }
 
@@ -102,7 +101,7 @@ MINISGL_T512BF16 inline void seq_bf16dp(const LinArgs& a, int64_t n0, int64_t n1
     int64_t k = 0;
     for (; k + 64 <= K; k += 64) {
       const char* p = reinterpret_cast<const char*>(wr + k) + kPfBytes;
-      if (p < end) { _mm_prefetch(p, _MM_HINT_T0); _mm_prefetch(p + 64, _MM_HINT_T0); }
+      if (p < end) { _mm_prefetch(p, _MM_HINT_T1); _mm_prefetch(p + 64, _MM_HINT_T1); }
       const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wr + k);
       const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wr + k + 32);
       for (int m = 0; m < M; ++m) {
@@ -117,7 +116,7 @@ MINISGL_T512BF16 inline void seq_bf16dp(const LinArgs& a, int64_t n0, int64_t n1
         acc0[m] = _mm512_dpbf16_ps(acc0[m], (__m512bh)_mm512_maskz_loadu_epi16(mk, a.xb + m * a.xs + k), wv);
     }
     for (int m = 0; m < M; ++m)
-      a.y[m * a.N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[m], acc1[m])) + (a.bias ? a.bias[n] : 0.f);
+      store(a, m, n, _mm512_reduce_add_ps(_mm512_add_ps(acc0[m], acc1[m])) + (a.bias ? a.bias[n] : 0.f));
   }
 }
 
@@ -151,7 +150,7 @@ MINISGL_T512 inline void rows_f32_512(const LinArgs& a, int64_t n, int64_t n1) {
   }
   for (int m = 0; m < M; ++m)
     for (int r = 0; r < RR; ++r)
-      a.y[m * a.N + n + r] = _mm512_reduce_add_ps(acc[m][r]) + (a.bias ? a.bias[n + r] : 0.f);
+      store(a, m, n + r, _mm512_reduce_add_ps(acc[m][r]) + (a.bias ? a.bias[n + r] : 0.f));
 }
 
 template <int M>
@@ -197,7 +196,7 @@ MINISGL_T256 inline void rows_f32_256(const LinArgs& a, int64_t n, int64_t n1) {
     for (int r = 0; r < RR; ++r) {
       float s = hsum256(acc[m][r]);
       for (int64_t kk = k; kk < K; ++kk) s += bf16_to_f32(wr[r * K + kk]) * a.xf[m * K + kk];
-      a.y[m * a.N + n + r] = s + (a.bias ? a.bias[n + r] : 0.f);
+      store(a, m, n + r, s + (a.bias ? a.bias[n + r] : 0.f));
     }
 }
 
@@ -213,7 +212,7 @@ MINISGL_T256 inline void block_f32_256(const LinArgs& a, int64_t n0, int64_t n1)
 // ---------------------------------------------------------------- dispatch
 enum class LinIsa { base, avx2, avx512, avx512bf16 };
 
-using BlockFn = void (*)(const LinArgs&, int64_t, int64_t);
+using BlockFn = GemvBlockFn;
 
 template <template <int> class F>
 BlockFn pick_m(int M) {
@@ -288,6 +287,70 @@ LinIsa resolve_isa(const std::string& req) {
 }
 
 }  // namespace
+
+GemvPlan make_gemv_plan(const at::Tensor& weight, const float* bias, int64_t M, bool x_bf16, int64_t parts,
+                        const std::string& isa) {
+  const LinIsa level = resolve_isa(isa);
+  GemvPlan p;
+  p.w = reinterpret_cast<const uint16_t*>(weight.data_ptr());
+  p.bias = bias;
+  p.N = weight.size(0);
+  p.K = weight.size(1);
+  p.M = M;
+  p.dp = level == LinIsa::avx512bf16 && x_bf16;
+  for (int m = 1; m <= kMaxM; ++m) {
+#ifdef MINISGL_LIN_X86
+    if (p.dp) p.fns[m] = pick_m<Seq>(m);
+    else if (level >= LinIsa::avx512) p.fns[m] = pick_m<F512>(m);
+    else if (level == LinIsa::avx2) p.fns[m] = pick_m<F256>(m);
+    else p.fns[m] = pick_m<Base>(m);
+#else
+    p.fns[m] = pick_m<Base>(m);
+#endif
+  }
+  // Contiguous row ranges, a multiple of 8 rows, about equal per part; one part for a small W (< 64 KB).
+  const int64_t bytes = p.N * p.K * 2;
+  p.parts = std::max<int64_t>(1, std::min<int64_t>((p.N + 7) / 8, bytes < (64 << 10) ? 1 : parts));
+  p.per = ((p.N + p.parts - 1) / p.parts + 7) / 8 * 8;
+  return p;
+}
+
+void run_gemv_part(const GemvPlan& p, const void* x, int64_t xs, bool x_bf16, void* y, int64_t ys, bool y_bf16,
+                   int64_t part) {
+  const int64_t n0 = part * p.per, n1 = std::min(p.N, n0 + p.per);
+  if (n0 >= n1) return;
+  thread_local std::vector<float> xbuf;  // bf16 x for the fp32 kernels
+  const float* xf = static_cast<const float*>(x);
+  int64_t xfs = xs;
+  if (!p.dp && x_bf16) {
+    xbuf.resize(static_cast<size_t>(p.M * p.K));
+    const uint16_t* xb = static_cast<const uint16_t*>(x);
+    for (int64_t m = 0; m < p.M; ++m)
+      for (int64_t k = 0; k < p.K; ++k) xbuf[m * p.K + k] = bf16_to_f32(xb[m * xs + k]);
+    xf = xbuf.data();
+    xfs = p.K;
+  }
+  for (int64_t m0 = 0; m0 < p.M; m0 += kMaxM) {
+    LinArgs a;
+    a.w = p.w;
+    a.N = p.N;
+    a.K = p.K;
+    a.bias = p.bias;
+    a.M = static_cast<int>(std::min<int64_t>(kMaxM, p.M - m0));
+    if (p.dp) {
+      a.xb = static_cast<const uint16_t*>(x) + m0 * xs;
+      a.xs = xs;
+    } else {
+      TORCH_INTERNAL_ASSERT(xfs == p.K, "linear_gemv: fp32 x must be contiguous");
+      a.xf = xf + m0 * p.K;
+    }
+    a.ys = ys;
+    if (y_bf16) a.yb = static_cast<uint16_t*>(y) + m0 * ys;
+    else a.y = static_cast<float*>(y) + m0 * ys;
+    p.fns[a.M](a, n0, n1);
+  }
+}
+
 }  // namespace cpu
 
 std::string linear_isa() { return cpu::isa_str(cpu::machine_isa()); }
@@ -312,7 +375,7 @@ at::Tensor linear_gemv_cpu(const at::Tensor& x_in, const at::Tensor& weight, con
     TORCH_CHECK(bias->device().is_cpu(), "linear_gemv: bias must be on the CPU");
     b = bias->to(at::kFloat).contiguous();
   }
-  const LinIsa level = resolve_isa(isa);
+  resolve_isa(isa);  // a bad name is an error even when there is nothing to compute
   auto out = at::empty({M, N}, x_in.options());
   if (M == 0 || N == 0) return out;
   if (K == 0) {
@@ -321,50 +384,15 @@ at::Tensor linear_gemv_cpu(const at::Tensor& x_in, const at::Tensor& weight, con
     return out;
   }
   const auto w = weight.contiguous();
-  auto x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
-  const bool dp = level == LinIsa::avx512bf16 && x.scalar_type() == at::kBFloat16;
-  at::Tensor xf;
-  if (!dp) xf = x.to(at::kFloat).contiguous();
-  const bool f32_out = out.scalar_type() == at::kFloat;
-  at::Tensor y = f32_out ? out : at::empty({M, N}, x.options().dtype(at::kFloat));
-
-  BlockFn fns[kMaxM + 1] = {};
-  for (int m = 1; m <= kMaxM; ++m) {
-#ifdef MINISGL_LIN_X86
-    if (dp) fns[m] = pick_m<Seq>(m);
-    else if (level >= LinIsa::avx512) fns[m] = pick_m<F512>(m);
-    else if (level == LinIsa::avx2) fns[m] = pick_m<F256>(m);
-    else fns[m] = pick_m<Base>(m);
-#else
-    fns[m] = pick_m<Base>(m);
-#endif
-  }
-  // Contiguous row ranges, a multiple of 8 rows, about equal per thread (each thread streams its part of W).
-  const int64_t nthreads = std::max<int64_t>(1, at::get_num_threads());
-  const int64_t bytes = N * K * 2;
-  const int64_t tasks = std::min<int64_t>((N + 7) / 8, bytes < (64 << 10) ? 1 : nthreads);
-  const int64_t per = ((N + tasks - 1) / tasks + 7) / 8 * 8;
-  for (int64_t m0 = 0; m0 < M; m0 += kMaxM) {
-    const int mm = static_cast<int>(std::min<int64_t>(kMaxM, M - m0));
-    LinArgs a;
-    a.w = reinterpret_cast<const uint16_t*>(w.data_ptr());
-    a.N = N;
-    a.K = K;
-    a.xf = dp ? nullptr : xf.data_ptr<float>() + m0 * K;
-    a.xb = dp ? reinterpret_cast<const uint16_t*>(x.data_ptr()) + m0 * x.stride(0) : nullptr;
-    a.xs = dp ? x.stride(0) : K;
-    a.bias = b.defined() ? b.data_ptr<float>() : nullptr;
-    a.y = y.data_ptr<float>() + m0 * N;
-    a.M = mm;
-    const BlockFn fn = fns[mm];
-    at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t n0 = t * per, n1 = std::min(N, n0 + per);
-        if (n0 < n1) fn(a, n0, n1);
-      }
-    });
-  }
-  if (!f32_out) out.copy_(y);
+  const bool x_bf16 = x_in.scalar_type() == at::kBFloat16;
+  // bf16 x: read in place (any row stride); fp32 x: contiguous rows
+  const auto x = x_bf16 ? (x_in.stride(1) == 1 ? x_in : x_in.contiguous()) : x_in.contiguous();
+  const GemvPlan p = make_gemv_plan(w, b.defined() ? b.data_ptr<float>() : nullptr, M, x_bf16,
+                                    at::get_num_threads(), isa);
+  const int64_t xs = x_bf16 ? x.stride(0) : K;
+  at::parallel_for(0, p.parts, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) run_gemv_part(p, x.data_ptr(), xs, x_bf16, out.data_ptr(), N, x_bf16, t);
+  });
   return out;
 }
 

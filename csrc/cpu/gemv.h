@@ -1,0 +1,52 @@
+// gemv.h -- the bf16 GEMV of linear.cpp as a plan that any threads can run part by part.
+//
+// linear_gemv runs the parts of a plan with at::parallel_for; decode.cpp runs the 120 GEMVs of a decode step
+// inside ONE parallel region of its own, each thread taking its part of every GEMV between spin barriers.
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <string>
+
+namespace minisgl {
+namespace cpu {
+
+constexpr int kGemvMaxM = 8;  // rows of x per kernel call (more rows: blocks of 8, each re-streaming W)
+
+// Arguments of one kernel call: y[m, n] = x[m, :] . W[n, :] (+ bias[n]) for the rows n of a range.
+struct LinArgs {
+  const uint16_t* w = nullptr;  // [N, K] bf16 bits, contiguous
+  int64_t N = 0, K = 0;
+  const float* xf = nullptr;     // [M, K] fp32, contiguous (the fp32 kernels)
+  const uint16_t* xb = nullptr;  // [M, xs] bf16 bits (the dpbf16 kernel), last dim contiguous
+  int64_t xs = 0;
+  const float* bias = nullptr;   // [N] fp32 or null
+  float* y = nullptr;            // [M, ys] fp32 output, or
+  uint16_t* yb = nullptr;        // [M, ys] bf16 output (rounded to nearest even, as torch rounds)
+  int64_t ys = 0;
+  int M = 0;
+};
+
+using GemvBlockFn = void (*)(const LinArgs&, int64_t n0, int64_t n1);
+
+// A GEMV y[M, N] = x[M, K] @ W[N, K]^T (+ bias) split into `parts` contiguous ranges of the N outputs (each a
+// multiple of 8 rows, about equal: each thread streams its own part of W).
+struct GemvPlan {
+  const uint16_t* w = nullptr;
+  const float* bias = nullptr;  // fp32 [N] or null; must outlive the plan's runs
+  int64_t N = 0, K = 0, M = 0, parts = 1, per = 0;
+  bool dp = false;  // x is read as bf16 by the dot-product kernel; otherwise as fp32
+  GemvBlockFn fns[kGemvMaxM + 1] = {};
+};
+
+// weight: bf16 [N, K] contiguous; isa: "" (the best here) or a narrower variant's name (tests).
+GemvPlan make_gemv_plan(const at::Tensor& weight, const float* bias, int64_t M, bool x_bf16, int64_t parts,
+                        const std::string& isa);
+
+// Runs part `part` of the plan. x: [M, xs] bf16 bits (x_bf16) or fp32; y: [M, ys] bf16 bits (y_bf16) or fp32.
+// A bf16 x on a plan that reads fp32 is converted into a per-thread buffer first.
+void run_gemv_part(const GemvPlan& p, const void* x, int64_t xs, bool x_bf16, void* y, int64_t ys, bool y_bf16,
+                   int64_t part);
+
+}  // namespace cpu
+}  // namespace minisgl

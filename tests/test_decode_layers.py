@@ -1,0 +1,163 @@
+"""`decode_layers` (csrc/cpu/decode.cpp): all decoder layers of a small bf16 decode step in one C++ call and one
+parallel region. It calls the same kernels in the same order as `CausalLM._decode_layers`, so its results must be
+the Python loop's bits exactly: on random models with and without biases, on the real default model, with one
+thread or two, from two Python threads at once (it releases the GIL); and a bad argument, including one only
+found inside the parallel region, must come back as a clear error."""
+import threading
+
+import pytest
+import torch
+
+from minisgl import kernels
+from minisgl.models import CausalLM, ForwardContext, ModelConfig
+
+EXT = kernels._ext()
+pytestmark = pytest.mark.skipif(EXT is None or not hasattr(EXT, "decode_layers"),
+                                reason="minisgl._C not built (pip install --no-build-isolation -e .)")
+
+
+def tiny(model_type, layers=3, seed=0):
+    cfg = ModelConfig.from_hf({'model_type': model_type, 'vocab_size': 64, 'hidden_size': 64, 'intermediate_size': 96,
+                               'num_hidden_layers': layers, 'num_attention_heads': 4, 'num_key_value_heads': 2,
+                               'head_dim': 16, 'max_position_embeddings': 64})
+    torch.manual_seed(seed)
+    m = CausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            p.normal_(0, 0.3)
+            if 'norm' in name: p.add_(1)
+    return m.to(torch.bfloat16)
+
+
+def step_inputs(m, rows, seed=1, slots=64):
+    "Caches holding a random history, a page table with one row per request, and one new token per request."
+    g = torch.Generator().manual_seed(seed)
+    cfg = m.cfg
+    kv = [(torch.randn(slots, cfg.num_kv_heads, cfg.head_dim, generator=g).bfloat16(),
+           torch.randn(slots, cfg.num_kv_heads, cfg.head_dim, generator=g).bfloat16()) for _ in range(cfg.num_layers)]
+    per = slots // rows
+    page_table = torch.arange(rows * per, dtype=torch.int32).view(rows, per)
+    seq_lens = torch.randint(1, per + 1, (rows,), generator=g).int()
+    positions = (seq_lens - 1).long()
+    out_loc = page_table[torch.arange(rows), positions].long()
+    ctx = ForwardContext(False, out_loc, page_table, torch.arange(rows, dtype=torch.int32), seq_lens,
+                         torch.ones(rows, dtype=torch.int32), kv, fused=True, positions=positions)
+    x = m.embed_tokens(torch.randint(0, m.cfg.vocab_size, (rows,), generator=g))
+    return x, ctx
+
+
+def clone_ctx(ctx):
+    return ForwardContext(**{**ctx.__dict__, 'kv_caches': [(k.clone(), v.clone()) for k, v in ctx.kv_caches]})
+
+
+def run(m, x, ctx, native):
+    with torch.inference_mode():
+        return (m._decode_layers_native if native else m._decode_layers)(x.clone(), ctx)
+
+
+def assert_same(m, x, ctx):
+    c0, c1 = clone_ctx(ctx), clone_ctx(ctx)
+    (x0, r0), (x1, r1) = run(m, x, c0, False), run(m, x, c1, True)
+    assert torch.equal(x0, x1) and torch.equal(r0, r1)
+    for (k0, v0), (k1, v1) in zip(c0.kv_caches, c1.kv_caches):   # the same K/V written to the same slots
+        assert torch.equal(k0, k1) and torch.equal(v0, v1)
+    assert not torch.equal(c1.kv_caches[0][0], ctx.kv_caches[0][0])   # ... and something was written
+    return x1
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])   # qwen2: q/k/v biases
+@pytest.mark.parametrize("rows", [1, 2, 3, 8])
+def test_native_equals_python_loop(model_type, rows):
+    m = tiny(model_type)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if n.endswith("bias"): p.normal_()
+    x, ctx = step_inputs(m, rows)
+    assert_same(m, x, ctx)
+
+
+def test_thread_counts():
+    m = tiny("llama")
+    x, ctx = step_inputs(m, 2)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in sorted({1, 2, threads}):
+            torch.set_num_threads(n)
+            outs.append(assert_same(m, x, ctx))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(o, outs[0]) for o in outs)   # the split of the GEMVs does not change a bit
+
+
+def test_two_python_threads_at_once():
+    "The GIL is released during the step: two threads decode two models at once, each as it would alone."
+    models = [tiny("llama", layers=6, seed=s) for s in (0, 1)]
+    inputs = [step_inputs(m, 1, seed=s) for s, m in enumerate(models)]
+    want = [run(m, x, clone_ctx(c), True)[0] for m, (x, c) in zip(models, inputs)]
+    got, errors = [[] for _ in models], []
+
+    def work(i):
+        try:
+            for _ in range(20): got[i].append(run(models[i], inputs[i][0], clone_ctx(inputs[i][1]), True)[0])
+        except Exception as e:   # surfaced by the assert below
+            errors.append(e)
+
+    ts = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in ts: t.start()
+    for t in ts: t.join(60)
+    assert not errors and not any(t.is_alive() for t in ts)
+    assert all(torch.equal(o, want[i]) for i in range(2) for o in got[i])
+
+
+def test_real_model_step():
+    "The default model (bf16): one decode step of the native loop equals the Python loop's, bit for bit."
+    from minisgl.engine import Engine, EngineConfig
+    eng = Engine(EngineConfig(dtype="bfloat16", device="cpu", max_running_reqs=2, max_seq_len=64, num_pages=8),
+                 progress=False)
+    m = eng.model
+    g = torch.Generator().manual_seed(0)
+    for k, v in eng.kv_caches: k.copy_(torch.randn(k.shape, generator=g)); v.copy_(torch.randn(v.shape, generator=g))
+    page_table = torch.arange(128, dtype=torch.int32).view(2, 64)
+    ctx = ForwardContext(False, torch.tensor([40, 64 + 10]), page_table, torch.tensor([0, 1], dtype=torch.int32),
+                         torch.tensor([41, 11], dtype=torch.int32), torch.ones(2, dtype=torch.int32), eng.kv_caches,
+                         fused=True, positions=torch.tensor([40, 10]))
+    x = m.embed_tokens(torch.tensor([504, 1932]))
+    assert_same(m, x, ctx)
+
+
+def args_of(m, x, ctx):
+    "decode_layers' arguments for a step on copies of x and of the caches (the step writes into both)."
+    m._decode_layers_native(x.clone(), clone_ctx(ctx))   # fills m._native_weights
+    x, ctx = x.clone(), clone_ctx(ctx)
+    a = m.layers[0].self_attn
+    return dict(x=x, weights=list(m._native_weights), eps=m.cfg.rms_norm_eps,
+                k_caches=[k for k, _ in ctx.kv_caches], v_caches=[v for _, v in ctx.kv_caches],
+                cos=m.rotary.cos, sin=m.rotary.sin, positions=ctx.positions, out_loc=ctx.out_loc,
+                page_table=ctx.page_table, table_idx=ctx.table_idx, seq_lens=ctx.seq_lens,
+                num_q_heads=a.num_heads, num_kv_heads=a.num_kv_heads, scale=a.scale,
+                sliding_windows=[-1] * m.cfg.num_layers)
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda a: a.update(weights=a["weights"][:-1]), "weights per layer"),
+    (lambda a: a["weights"].__setitem__(1, a["weights"][1].float()), "bfloat16"),
+    (lambda a: a["weights"].__setitem__(3, a["weights"][3][:, :8].contiguous()), "shape"),
+    (lambda a: a["weights"].__setitem__(0, None), "missing"),
+    (lambda a: a.update(x=a["x"].float()), "bfloat16"),
+    (lambda a: a.update(x=a["x"].repeat(5, 1)), "rows"),
+    (lambda a: a.update(out_loc=a["out_loc"] + 1000), "out_loc"),
+    (lambda a: a.update(positions=a["positions"] + 1000), "position"),
+    (lambda a: a.update(v_caches=a["v_caches"][:-1]), "one entry per layer"),
+    # only found by the attention kernel, on thread 0 inside the parallel region: must still come back
+    (lambda a: a.update(table_idx=a["table_idx"] + 5), "table_idx"),
+    (lambda a: a.update(seq_lens=a["seq_lens"] * 0), "seq_lens"),
+])
+def test_bad_arguments_raise(change, match):
+    m = tiny("llama")
+    x, ctx = step_inputs(m, 2)
+    args = args_of(m, x, ctx)
+    change(args)
+    with pytest.raises(RuntimeError, match=match): EXT.decode_layers(**args)
+    args = args_of(m, x, ctx)   # and the next good call works
+    assert torch.equal(EXT.decode_layers(**args)[0], run(m, x, clone_ctx(ctx), False)[0])
