@@ -194,6 +194,8 @@ def main():
                 frac = statistics.median(t / bd for t, bd in pairs)
                 print(f"  {dt} decode batch 1 vs bound, per pair: "
                       + ", ".join(f"{t:.1f}/{bd:.1f}" for t, bd in pairs), flush=True)
+            else:
+                o = ours_decode(engine, timer, ps, args.new_tokens)
             h = hf_decode(hf, ps, args.new_tokens) if hf is not None else float("nan")
             rows.append((dt, f"decode batch {b}", o, h, (bound, frac) if b == 1 else None))
             print(f"  {dt} decode batch {b}: ours {o:.1f} tok/s, HF {h:.1f} tok/s", flush=True)

@@ -38,13 +38,15 @@ void rope_store_kv_cpu(at::Tensor& qkv, const at::Tensor& positions, const at::T
                        int64_t num_kv_heads);
 
 // All decoder layers of a small bf16 decode step (csrc/cpu/decode.cpp): the loop of CausalLM._decode_layers in
-// C++, calling the kernels above; weights are 10 per layer (see decode.cpp). Returns (x, residual).
+// C++, calling the kernels above; weights are 10 per layer (see decode.cpp). Returns (x, residual), or
+// (logits, residual) when final_norm and lm_head are given.
 std::tuple<at::Tensor, at::Tensor> decode_layers_cpu(
     const at::Tensor& x, const std::vector<c10::optional<at::Tensor>>& weights, double eps,
     const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches, const at::Tensor& cos,
     const at::Tensor& sin, const at::Tensor& positions, const at::Tensor& out_loc, const at::Tensor& page_table,
     const at::Tensor& table_idx, const at::Tensor& seq_lens, int64_t num_q_heads, int64_t num_kv_heads,
-    double scale, const std::vector<int64_t>& sliding_windows);
+    double scale, const std::vector<int64_t>& sliding_windows, const c10::optional<at::Tensor>& final_norm,
+    const c10::optional<at::Tensor>& lm_head);
 
 #ifdef MINISGL_WITH_CUDA
 void store_kv_cuda(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& out_loc, const at::Tensor& k,

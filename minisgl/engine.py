@@ -144,7 +144,8 @@ def _pages_that_fit(self: Engine) -> int:
     cfg = self.model.cfg
     per_page = 2 * cfg.num_layers * self.page_size * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
     by_memory = int(free_memory(self.device) * self.config.mem_fraction) // per_page
-    useful = -(-(self.config.max_running_reqs + 1) * self.max_seq_len // self.page_size)
+    # every running request may fill a whole context, in whole pages (+1: one more queued)
+    useful = (self.config.max_running_reqs + 1) * -(-self.max_seq_len // self.page_size)
     n = min(by_memory, useful)
     if n < -(-self.max_seq_len // self.page_size):
         raise ValueError(f'mem_fraction: {self.config.mem_fraction} of free memory holds {n} KV pages of '

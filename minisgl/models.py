@@ -319,8 +319,10 @@ class CausalLM(nn.Module):
         rope = None if fused and not self.cfg.qk_norm else self.rotary.lookup(positions)   # fused: C++ looks up
         ctx = dataclasses.replace(ctx, fused=fused, positions=positions)
         if fused and self._gemv_decode(x, ctx):
-            native = hasattr(kernels._ext(), 'decode_layers')
-            x, residual = self._decode_layers_native(x, ctx) if native else self._decode_layers(x, ctx)
+            if not hasattr(kernels._ext(), 'decode_layers'): x, residual = self._decode_layers(x, ctx)
+            elif logits_idx is None and self.lm_head.weight is not None:
+                return self._decode_layers_native(x, ctx, head=True)   # on to the logits, in the same call
+            else: x, residual = self._decode_layers_native(x, ctx)
         else:
             for layer in self.layers:
                 x, residual = layer(x, residual, rope, self.rotary, ctx)
@@ -358,18 +360,20 @@ class CausalLM(nn.Module):
             x = gemv(h, mlp.down_proj.weight, mlp.down_proj.bias)
         return x, residual
 
-    def _decode_layers_native(self, x: torch.Tensor, ctx: ForwardContext):
-        "`_decode_layers` as one C++ call (`csrc/cpu/decode.cpp`: the same loop, without the interpreter or the GIL)."
+    def _decode_layers_native(self, x: torch.Tensor, ctx: ForwardContext, head: bool = False):
+        "`_decode_layers` as one C++ call (`csrc/cpu/decode.cpp`); `head`: go on through the final norm and LM head to the logits."
         if getattr(self, '_native_weights', None) is None:   # the parameters themselves, gathered once
             self._native_weights = [w for l in self.layers for w in (
                 l.input_layernorm.weight, l.self_attn.qkv_proj.weight, l.self_attn.qkv_proj.bias,
                 l.self_attn.o_proj.weight, l.self_attn.o_proj.bias, l.post_attention_layernorm.weight,
                 l.mlp.gate_up_proj.weight, l.mlp.gate_up_proj.bias, l.mlp.down_proj.weight, l.mlp.down_proj.bias)]
         att = self.layers[0].self_attn
-        return kernels._ext().decode_layers(
+        out = kernels._ext().decode_layers(
             x, self._native_weights, self.cfg.rms_norm_eps, [k for k, _ in ctx.kv_caches], [v for _, v in ctx.kv_caches],
             self.rotary.cos, self.rotary.sin, ctx.positions, ctx.out_loc, ctx.page_table, ctx.table_idx, ctx.seq_lens,
-            att.num_heads, att.num_kv_heads, att.scale, [l.self_attn.sliding_window for l in self.layers])
+            att.num_heads, att.num_kv_heads, att.scale, [l.self_attn.sliding_window for l in self.layers],
+            self.norm.weight if head else None, self.lm_head.weight if head else None)
+        return out[0] if head else out
 
     def can_fuse(self, x: torch.Tensor, ctx: ForwardContext) -> bool:
         "Whether the fused C++ ops (`minisgl._C`, CPU) can run this forward: CPU tensors, C++ backend, one dtype."

@@ -3,6 +3,7 @@ parallel region. It calls the same kernels in the same order as `CausalLM._decod
 the Python loop's bits exactly: on random models with and without biases, on the real default model, with one
 thread or two, from two Python threads at once (it releases the GIL); and a bad argument, including one only
 found inside the parallel region, must come back as a clear error."""
+import dataclasses
 import threading
 
 import pytest
@@ -161,3 +162,47 @@ def test_bad_arguments_raise(change, match):
     with pytest.raises(RuntimeError, match=match): EXT.decode_layers(**args)
     args = args_of(m, x, ctx)   # and the next good call works
     assert torch.equal(EXT.decode_layers(**args)[0], run(m, x, clone_ctx(ctx), False)[0])
+
+
+class _WithoutNative:
+    "minisgl._C without decode_layers: the model falls back to the Python loop."
+    def __getattr__(self, name):
+        if name == "decode_layers": raise AttributeError(name)
+        return getattr(EXT, name)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_forward_logits_equal_python_path(model_type, monkeypatch):
+    "A whole decode forward: the native call through the final norm and LM head gives the Python path's logits."
+    m = tiny(model_type)
+    x, ctx = step_inputs(m, 3)
+    ids = torch.tensor([5, 9, 11])
+    with torch.inference_mode():
+        c_native = clone_ctx(ctx)
+        native = m(ids, ctx.positions, dataclasses.replace(c_native, positions=None))
+        monkeypatch.setattr(kernels, "_ext", lambda: _WithoutNative())
+        c_py = clone_ctx(ctx)
+        plain = m(ids, ctx.positions, dataclasses.replace(c_py, positions=None))
+    assert native.dtype == plain.dtype == torch.float32 and native.shape == (3, m.cfg.vocab_size)
+    assert torch.equal(native, plain)
+    assert torch.equal(native, native.bfloat16().float())   # bf16 values, as lm_head(x).float() gives
+    for (k0, v0), (k1, v1) in zip(c_native.kv_caches, c_py.kv_caches):
+        assert torch.equal(k0, k1) and torch.equal(v0, v1)
+
+
+def test_forward_uses_native_head(monkeypatch):
+    "The decode forward makes exactly one native call, which returns the logits (no separate LM-head GEMV)."
+    m = tiny("llama")
+    x, ctx = step_inputs(m, 1)
+    calls = []
+
+    class Spy:
+        def __getattr__(self, name):
+            f = getattr(EXT, name)
+            return (lambda *a, **k: (calls.append(name), f(*a, **k))[1]) if callable(f) else f
+
+    monkeypatch.setattr(kernels, "_ext", lambda: Spy())
+    monkeypatch.setattr(m.lm_head, "forward", lambda x: calls.append("lm_head") or torch.zeros(1))
+    with torch.inference_mode(): logits = m(torch.tensor([3]), ctx.positions, clone_ctx(ctx))
+    assert calls.count("decode_layers") == 1 and "lm_head" not in calls and "linear_gemv" not in calls
+    assert logits.shape == (1, m.cfg.vocab_size)

@@ -14,7 +14,9 @@
 // weights: 10 per layer, in this order (None where a layer has no bias):
 //   input_layernorm.weight, qkv_proj.weight, qkv_proj.bias, o_proj.weight, o_proj.bias,
 //   post_attention_layernorm.weight, gate_up_proj.weight, gate_up_proj.bias, down_proj.weight, down_proj.bias
-// Returns (x, residual) after the last layer, as the Python loop does (the final norm is the caller's).
+// Returns (x, residual) after the last layer, as the Python loop does; given the final norm's weight and the LM
+// head's, the step goes on to the logits and returns (logits, residual): fp32 [rows, vocab] holding the bf16
+// values `lm_head(norm(x, residual)).float()` would give, written by the GEMV in one pass.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
@@ -73,7 +75,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_cpu(
     const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches, const at::Tensor& cos,
     const at::Tensor& sin, const at::Tensor& positions, const at::Tensor& out_loc, const at::Tensor& page_table,
     const at::Tensor& table_idx, const at::Tensor& seq_lens, int64_t num_q_heads, int64_t num_kv_heads,
-    double scale, const std::vector<int64_t>& sliding_windows) {
+    double scale, const std::vector<int64_t>& sliding_windows, const c10::optional<at::Tensor>& final_norm,
+    const c10::optional<at::Tensor>& lm_head) {
   using namespace cpu;
   const char* fn = "decode_layers";
   const size_t L = k_caches.size();
@@ -154,6 +157,23 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_cpu(
   }
   const at::Tensor o = o3.view({n, Hq * D});
 
+  // With the final norm and the LM head, the step ends with the logits (as `lm_head(norm(x)).float()`).
+  const bool head = final_norm.has_value() && final_norm->defined() && lm_head.has_value() && lm_head->defined();
+  TORCH_CHECK(head || !((final_norm.has_value() && final_norm->defined()) || (lm_head.has_value() && lm_head->defined())),
+              fn, ": final_norm and lm_head go together");
+  GemvPlan head_plan;
+  at::Tensor logits;
+  if (head) {
+    TORCH_CHECK(final_norm->dim() == 1 && final_norm->size(0) == H && final_norm->scalar_type() == at::kBFloat16 &&
+                    final_norm->is_contiguous() && final_norm->device().is_cpu(),
+                fn, ": final_norm must be a contiguous bfloat16 CPU tensor of shape [", H, "]");
+    TORCH_CHECK(lm_head->dim() == 2 && lm_head->size(1) == H && lm_head->scalar_type() == at::kBFloat16 &&
+                    lm_head->is_contiguous() && lm_head->device().is_cpu(),
+                fn, ": lm_head must be a contiguous bfloat16 CPU tensor of shape [vocab, ", H, "]");
+    head_plan = make_gemv_plan(*lm_head, nullptr, n, true, nt, "");
+    logits = at::empty({n, lm_head->size(0)}, x_in.options().dtype(at::kFloat));
+  }
+
   at::Tensor residual = x_in;
   at::Tensor x = rms_norm_cpu(x_in, *layers[0].ln1, eps);  // qkv_proj's input; then down_proj's output
   auto xo = at::empty({n, H}, x_in.options());              // o_proj out, then normed: gate_up_proj's input
@@ -162,14 +182,15 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_cpu(
   SpinBarrier barrier;
   std::exception_ptr error;
   std::atomic<bool> failed{false};
+  std::atomic<int> leaving{0};
 
 #pragma omp parallel num_threads(nt)
   {
     const int tid = omp_get_thread_num(), team = omp_get_num_threads();
     // Each thread runs its part of a GEMV; a plan with fewer parts than threads leaves the rest idle.
-    auto gemv = [&](const GemvPlan& p, const at::Tensor& in, at::Tensor& out) {
+    auto gemv = [&](const GemvPlan& p, const at::Tensor& in, at::Tensor& out, YFormat yf = YFormat::bf16) {
       for (int64_t part = tid; part < p.parts; part += team)
-        run_gemv_part(p, in.data_ptr(), in.stride(0), true, out.data_ptr(), out.stride(0), true, part);
+        run_gemv_part(p, in.data_ptr(), in.stride(0), true, out.data_ptr(), out.stride(0), yf, part);
     };
     // Thread 0 runs f; every thread returns whether the step failed (then all leave the loop together).
     auto serial = [&](auto&& f) {
@@ -204,9 +225,20 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_cpu(
       gemv(ly.down, h, x);
       barrier.wait(team);
     }
+    if (head && !failed.load(std::memory_order_relaxed)) {
+      if (!serial([&] { fused_add_rms_norm_cpu(x, residual, *final_norm, eps); }))
+        gemv(head_plan, x, logits, YFormat::f32_bf16_rounded);
+    }
+    // Thread 0 reaches the region's closing barrier last: with OMP_WAIT_POLICY=PASSIVE a thread that waits
+    // there sleeps, and thread 0 (the caller) should not need waking before it returns.
+    if (tid != 0) {
+      leaving.fetch_add(1, std::memory_order_release);
+    } else {
+      while (leaving.load(std::memory_order_acquire) < team - 1) MINISGL_RELAX();
+    }
   }
   if (error) std::rethrow_exception(error);
-  return {x, residual};
+  return {head ? logits : x, residual};
 }
 
 }  // namespace minisgl

@@ -21,8 +21,9 @@ struct LinArgs {
   const uint16_t* xb = nullptr;  // [M, xs] bf16 bits (the dpbf16 kernel), last dim contiguous
   int64_t xs = 0;
   const float* bias = nullptr;   // [N] fp32 or null
-  float* y = nullptr;            // [M, ys] fp32 output, or
+  float* y = nullptr;            // [M, ys] fp32 output (values rounded through bf16 if y_rounded), or
   uint16_t* yb = nullptr;        // [M, ys] bf16 output (rounded to nearest even, as torch rounds)
+  bool y_rounded = false;
   int64_t ys = 0;
   int M = 0;
 };
@@ -43,9 +44,13 @@ struct GemvPlan {
 GemvPlan make_gemv_plan(const at::Tensor& weight, const float* bias, int64_t M, bool x_bf16, int64_t parts,
                         const std::string& isa);
 
-// Runs part `part` of the plan. x: [M, xs] bf16 bits (x_bf16) or fp32; y: [M, ys] bf16 bits (y_bf16) or fp32.
+// How y is written: fp32, bf16, or fp32 holding bf16-rounded values (what `linear(x).float()` gives for a
+// bf16 linear, written in one pass).
+enum class YFormat { f32, bf16, f32_bf16_rounded };
+
+// Runs part `part` of the plan. x: [M, xs] bf16 bits (x_bf16) or fp32; y: [M, ys] as `yf` says.
 // A bf16 x on a plan that reads fp32 is converted into a per-thread buffer first.
-void run_gemv_part(const GemvPlan& p, const void* x, int64_t xs, bool x_bf16, void* y, int64_t ys, bool y_bf16,
+void run_gemv_part(const GemvPlan& p, const void* x, int64_t xs, bool x_bf16, void* y, int64_t ys, YFormat yf,
                    int64_t part);
 
 }  // namespace cpu

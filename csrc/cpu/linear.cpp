@@ -52,7 +52,7 @@ constexpr int64_t kPfBytes = 16384;  // ... of the sequential bf16 kernel, in by
 
 inline void store(const LinArgs& a, int m, int64_t n, float v) {
   if (a.yb) a.yb[m * a.ys + n] = c10::BFloat16(v).x;
-  else a.y[m * a.ys + n] = v;
+  else a.y[m * a.ys + n] = a.y_rounded ? static_cast<float>(c10::BFloat16(v)) : v;
 }
 
 inline float bf16_to_f32(uint16_t v) { return __builtin_bit_cast(float, uint32_t(v) << 16); }
@@ -315,7 +315,7 @@ GemvPlan make_gemv_plan(const at::Tensor& weight, const float* bias, int64_t M, 
   return p;
 }
 
-void run_gemv_part(const GemvPlan& p, const void* x, int64_t xs, bool x_bf16, void* y, int64_t ys, bool y_bf16,
+void run_gemv_part(const GemvPlan& p, const void* x, int64_t xs, bool x_bf16, void* y, int64_t ys, YFormat yf,
                    int64_t part) {
   const int64_t n0 = part * p.per, n1 = std::min(p.N, n0 + p.per);
   if (n0 >= n1) return;
@@ -345,8 +345,9 @@ void run_gemv_part(const GemvPlan& p, const void* x, int64_t xs, bool x_bf16, vo
       a.xf = xf + m0 * p.K;
     }
     a.ys = ys;
-    if (y_bf16) a.yb = static_cast<uint16_t*>(y) + m0 * ys;
+    if (yf == YFormat::bf16) a.yb = static_cast<uint16_t*>(y) + m0 * ys;
     else a.y = static_cast<float*>(y) + m0 * ys;
+    a.y_rounded = yf == YFormat::f32_bf16_rounded;
     p.fns[a.M](a, n0, n1);
   }
 }
@@ -391,7 +392,8 @@ at::Tensor linear_gemv_cpu(const at::Tensor& x_in, const at::Tensor& weight, con
                                     at::get_num_threads(), isa);
   const int64_t xs = x_bf16 ? x.stride(0) : K;
   at::parallel_for(0, p.parts, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) run_gemv_part(p, x.data_ptr(), xs, x_bf16, out.data_ptr(), N, x_bf16, t);
+    for (int64_t t = t0; t < t1; ++t)
+      run_gemv_part(p, x.data_ptr(), xs, x_bf16, out.data_ptr(), N, x_bf16 ? YFormat::bf16 : YFormat::f32, t);
   });
   return out;
 }
