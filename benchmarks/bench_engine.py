@@ -19,12 +19,14 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# idle OpenMP threads sleep instead of spinning: on a shared 2-core machine spinning threads starve the
-# working ones (a decode step measured 5-7x slower); applies to both minisgl and HF
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OpenMP's wait policy is left as a user's process gets it (`minisgl serve` does not set it); --omp-passive sets
+# OMP_WAIT_POLICY=PASSIVE (idle pool threads sleep instead of spinning) for both engines. OpenMP reads it when
+# torch loads it, so it is decided here, before `import torch`.
+if "--omp-passive" in sys.argv: os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch
@@ -154,6 +156,7 @@ def main():
     ap.add_argument("--reps", type=int, default=3, help="repetitions of the prefill measurements")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF columns")
+    ap.add_argument("--omp-passive", action="store_true", help="run with OMP_WAIT_POLICY=PASSIVE (both engines)")
     ap.add_argument("--bound-reps", type=int, default=5,
                     help="(bandwidth, single-request decode) pairs measured for the bound column")
     args = ap.parse_args()
@@ -161,6 +164,7 @@ def main():
     from transformers import AutoModelForCausalLM
 
     bw = measure_bandwidth()
+    print(f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, read bandwidth {bw:.1f} GB/s "
           f"(best median of 7 sum / amax reads of 1 GiB, all threads or one)", flush=True)
     batches = [int(b) for b in args.batches.split(",")]

@@ -95,6 +95,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("seq_lens"), py::arg("extend_lens"), py::arg("scale"), py::arg("sliding_window") = -1);
   m.def("linear_gemv", &minisgl::linear_gemv, "y = x @ weight.T (+ bias) for a few rows of x; weight bf16 [N, K]",
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(), py::arg("isa") = "");
+  m.def("linear_packed_available", &minisgl::linear_packed_available,
+        "whether linear_packed runs here (a CPU with AVX512-BF16)");
+  m.def("pack_linear_weight", &minisgl::pack_linear_weight,
+        "repack a bf16 weight [N, K] for linear_packed: [ceil(N/16), K/2, 16, 2], zero rows past N", py::arg("weight"));
+  m.def("linear_packed", &minisgl::linear_packed,
+        "y = x @ weight.T (+ bias) for a batch of bf16 rows, weight packed by pack_linear_weight; N: its rows",
+        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none());
   m.def("linear_isa", &minisgl::linear_isa, "the GEMV variant linear_gemv uses on this machine");
   m.def("rms_norm", &minisgl::rms_norm_cpu, "RMSNorm of each row of x (CPU): T(T(x * rsqrt(mean(x^2) + eps)) * weight)",
         py::arg("x"), py::arg("weight"), py::arg("eps"));

@@ -20,7 +20,8 @@ from .sampling import SamplingBatch, sample
 from .weights import eos_token_ids, load_model, load_tokenizer, resolve_model
 
 # %% auto #0
-__all__ = ['EngineConfig', 'cpu_has_fast_bf16', 'free_memory', 'PackedLinear', 'can_pack_linears', 'pack_linears', 'Engine']
+__all__ = ['EngineConfig', 'cpu_has_fast_bf16', 'free_memory', 'tiles_available', 'PackedLinear', 'can_pack_linears',
+           'pack_linears', 'Engine']
 
 # %% ../nbs/08_engine.ipynb #2a257558
 _DTYPES = {'float32': torch.float32, 'fp32': torch.float32, 'bfloat16': torch.bfloat16, 'bf16': torch.bfloat16,
@@ -85,17 +86,28 @@ def free_memory(device: torch.device) -> int:
     return 4 << 30
 
 # %% ../nbs/08_engine.ipynb #277e87f7
+def tiles_available(weight: torch.Tensor) -> bool:
+    "Whether `linear_packed` (csrc/cpu/gemm_bf16.cpp, AVX512-BF16) can take this weight."
+    ext = _ext()
+    return (ext is not None and hasattr(ext, 'linear_packed') and ext.linear_packed_available()
+            and weight.dtype == torch.bfloat16 and weight.device.type == 'cpu' and weight.shape[1] % 2 == 0)
+
 class PackedLinear(nn.Module):
-    "An `nn.Linear` whose weight is prepacked once for oneDNN (CPU, bf16); decode-sized inputs take the GEMV."
+    "An `nn.Linear` whose bf16 weight is repacked once for the CPU: our tiles where `linear_packed` runs, else oneDNN's."
     def __init__(self, lin: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = lin.in_features, lin.out_features
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), 1)
+        w = lin.weight.detach()
+        self.tiles = _ext().pack_linear_weight(w) if tiles_available(w) else None
+        self.packed = None if self.tiles is not None else torch.ops.mkldnn._reorder_linear_weight(w, 1)
         self.bias = lin.bias
-        # The plain [N, K] weight too, for `linear_gemv` (shares storage with a tied embedding).
-        self.weight = lin.weight.detach() if gemv_available() else None
+        # The plain [N, K] weight too, for `linear_gemv` and `decode_layers` (shares storage with a tied embedding).
+        self.weight = w if gemv_available() else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tiles is not None:
+            y = _ext().linear_packed(x.reshape(-1, self.in_features), self.tiles, self.out_features, self.bias)
+            return y.view(*x.shape[:-1], self.out_features)
         if self.weight is not None and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS:
             return _ext().linear_gemv(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, 'none', [], '')

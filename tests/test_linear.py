@@ -2,7 +2,9 @@
 
 Every ISA variant this machine has (forced through the op's `isa` argument), random shapes including K not
 a multiple of the vector width and odd N, 1..8 rows (and more, which re-stream the weight), bias / no bias,
-bf16 and fp32 x, strided rows; the `MINISGL_CPU_ISA` cap in a subprocess; the argument checks."""
+bf16 and fp32 x, strided rows; the `MINISGL_CPU_ISA` cap in a subprocess; the argument checks. And the batch
+kernel over packed weights (`linear_packed`, AVX512-BF16 only): random shapes, the model's shapes against the
+GEMV, its argument checks."""
 import os
 import subprocess
 import sys
@@ -14,6 +16,7 @@ import torch.nn.functional as F
 from minisgl import linear as L
 
 HAS = L.gemv_available()
+EXT = L._ext()
 needs_ext = pytest.mark.skipif(not HAS, reason="minisgl._C not built (pip install --no-build-isolation -e .)")
 ORDER = ["baseline", "avx2", "avx512", "avx512bf16"]
 ISAS = ORDER[: ORDER.index(L._ext().linear_isa()) + 1] if HAS else []
@@ -102,3 +105,54 @@ def test_env_cap(cap, want):
                        env={**os.environ, "MINISGL_CPU_ISA": cap}, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split()[0] == want
+
+
+# ---------------------------------------------------------------- linear_packed (csrc/cpu/gemm_bf16.cpp)
+needs_tiles = pytest.mark.skipif(EXT is None or not hasattr(EXT, "linear_packed") or not EXT.linear_packed_available(),
+                                 reason="linear_packed needs the extension and a CPU with AVX512-BF16")
+
+
+@needs_tiles
+@pytest.mark.parametrize("seed", range(8))
+def test_packed_random_shapes(seed):
+    "Any M (tails of the 8-row tiles), N (tails of the 16- and 48-column blocks), even K; strided x; bias or not."
+    g = torch.Generator().manual_seed(seed)
+    M = int(torch.randint(1, 80, (1,), generator=g))
+    N = int(torch.randint(1, 200, (1,), generator=g))
+    K = 2 * int(torch.randint(1, 400, (1,), generator=g))
+    x = torch.randn(M, K + 6, generator=g).bfloat16()[:, 3:K + 3]
+    w, b = torch.randn(N, K, generator=g).bfloat16(), torch.randn(N, generator=g).bfloat16()
+    p = EXT.pack_linear_weight(w)
+    for bias in (None, b):
+        y = EXT.linear_packed(x, p, N, bias)
+        assert y.dtype == torch.bfloat16 and y.shape == (M, N)
+        ref = (x.float() @ w.float().T + (0 if bias is None else bias.float())).bfloat16()
+        torch.testing.assert_close(y.float(), ref.float(), atol=2e-2 * K ** 0.5, rtol=1.6e-2)
+
+
+@needs_tiles
+def test_packed_model_shapes_match_gemv():
+    "On the default model's shapes, 1 to 64 rows: tiles and GEMV agree to bf16 rounding (both sum in fp32)."
+    torch.manual_seed(0)
+    for n, k in [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]:
+        w = torch.randn(n, k).bfloat16()
+        p = EXT.pack_linear_weight(w)
+        for m in (1, 3, 8, 33, 64):
+            x = torch.randn(m, k).bfloat16()
+            torch.testing.assert_close(EXT.linear_packed(x, p, n).float(), EXT.linear_gemv(x, w, None, "").float(),
+                                       atol=1e-2 * k ** 0.5, rtol=1.6e-2)
+
+
+@needs_tiles
+def test_packed_errors():
+    w = torch.randn(20, 8).bfloat16()
+    p = EXT.pack_linear_weight(w)
+    x = torch.randn(3, 8).bfloat16()
+    with pytest.raises(RuntimeError, match="even"): EXT.pack_linear_weight(torch.randn(4, 5).bfloat16())
+    with pytest.raises(RuntimeError, match="bfloat16"): EXT.pack_linear_weight(torch.randn(4, 4))
+    with pytest.raises(RuntimeError, match="N=40"): EXT.linear_packed(x, p, 40)
+    with pytest.raises(RuntimeError, match="K=8"): EXT.linear_packed(torch.randn(3, 6).bfloat16(), p, 20)
+    with pytest.raises(RuntimeError, match="bfloat16"): EXT.linear_packed(x.float(), p, 20)
+    with pytest.raises(RuntimeError, match="bias"): EXT.linear_packed(x, p, 20, torch.randn(7))
+    with pytest.raises(RuntimeError, match="pack_linear_weight"): EXT.linear_packed(x, w, 20)
+    assert EXT.linear_packed(x[:0], p, 20).shape == (0, 20)
