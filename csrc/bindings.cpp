@@ -115,14 +115,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("qkv"), py::arg("positions"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("out_loc"), py::arg("num_q_heads"), py::arg("num_kv_heads"));
   m.def("decode_layers", &minisgl::decode_layers_cpu,
-        "all decoder layers of a small bf16 decode step on the CPU (the loop of CausalLM._decode_layers, in C++; "
-        "the GIL is released); weights: 10 per layer. Returns (x, residual), or (logits, residual) given final_norm "
-        "and lm_head",
+        "all decoder layers of a bf16 decode step of up to 64 rows on the CPU (the loop of CausalLM._decode_layers, "
+        "in C++, one parallel region; the GIL is released); weights: 10 per layer, projections plain or packed. "
+        "Returns (x, residual), or (logits, residual) given final_norm and lm_head (vocab_size for a packed one)",
         py::arg("x"), py::arg("weights"), py::arg("eps"), py::arg("k_caches"), py::arg("v_caches"), py::arg("cos"),
         py::arg("sin"), py::arg("positions"), py::arg("out_loc"), py::arg("page_table"), py::arg("table_idx"),
         py::arg("seq_lens"), py::arg("num_q_heads"), py::arg("num_kv_heads"), py::arg("scale"),
         py::arg("sliding_windows"), py::arg("final_norm") = py::none(), py::arg("lm_head") = py::none(),
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("vocab_size") = -1, py::call_guard<py::gil_scoped_release>());
   m.def("has_cuda", &minisgl::has_cuda, "whether the CUDA kernels were compiled in");
   m.def("cpu_isa", &minisgl::cpu_isa, "the instruction set the CPU kernels use on this machine");
 }

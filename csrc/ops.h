@@ -39,20 +39,22 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, int64_t 
 at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps);
 void fused_add_rms_norm_cpu(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps);
 at::Tensor silu_mul_cpu(const at::Tensor& gate_up);
+void silu_mul_out_cpu(const at::Tensor& gate_up, at::Tensor& out);  // into out [rows, features / 2]
 void rope_store_kv_cpu(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
                        at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& out_loc, int64_t num_q_heads,
                        int64_t num_kv_heads);
 
-// All decoder layers of a small bf16 decode step (csrc/cpu/decode.cpp): the loop of CausalLM._decode_layers in
-// C++, calling the kernels above; weights are 10 per layer (see decode.cpp). Returns (x, residual), or
-// (logits, residual) when final_norm and lm_head are given.
+// All decoder layers of a bf16 decode step of up to 64 rows (csrc/cpu/decode.cpp): the loop of
+// CausalLM._decode_layers in C++ and one parallel region, calling the kernels above; weights are 10 per layer,
+// projections plain or packed (see decode.cpp). Returns (x, residual), or (logits, residual) when final_norm and
+// lm_head are given (vocab_size: the rows of a packed lm_head).
 std::tuple<at::Tensor, at::Tensor> decode_layers_cpu(
     const at::Tensor& x, const std::vector<c10::optional<at::Tensor>>& weights, double eps,
     const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches, const at::Tensor& cos,
     const at::Tensor& sin, const at::Tensor& positions, const at::Tensor& out_loc, const at::Tensor& page_table,
     const at::Tensor& table_idx, const at::Tensor& seq_lens, int64_t num_q_heads, int64_t num_kv_heads,
     double scale, const std::vector<int64_t>& sliding_windows, const c10::optional<at::Tensor>& final_norm,
-    const c10::optional<at::Tensor>& lm_head);
+    const c10::optional<at::Tensor>& lm_head, int64_t vocab_size);
 
 #ifdef MINISGL_WITH_CUDA
 void store_kv_cuda(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& out_loc, const at::Tensor& k,

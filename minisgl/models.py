@@ -294,6 +294,12 @@ class DecoderLayer(nn.Module):
         return self.mlp(x, fused=f), residual
 
 # %% ../nbs/05_models.ipynb #5f227f46
+def _decode_linear(lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    "The kernel a fused decode step runs for `lin`: its packed tiles where the engine made them (chapter 08), else the GEMV."
+    ext, tiles = kernels._ext(), getattr(lin, 'tiles', None)
+    if tiles is not None: return ext.linear_packed(x, tiles, lin.out_features, lin.bias)
+    return ext.linear_gemv(x, lin.weight, lin.bias)
+
 class CausalLM(nn.Module):
     "A Llama / Qwen2 / Qwen3 decoder-only LM whose attention runs over the paged KV pool."
     def __init__(self, cfg: ModelConfig, max_seq_len: int | None = None, dtype=torch.float32, device=None):
@@ -320,7 +326,7 @@ class CausalLM(nn.Module):
         ctx = dataclasses.replace(ctx, fused=fused, positions=positions)
         if fused and self._gemv_decode(x, ctx):
             if not hasattr(kernels._ext(), 'decode_layers'): x, residual = self._decode_layers(x, ctx)
-            elif logits_idx is None and self.lm_head.weight is not None:
+            elif logits_idx is None:
                 return self._decode_layers_native(x, ctx, head=True)   # on to the logits, in the same call
             else: x, residual = self._decode_layers_native(x, ctx)
         else:
@@ -328,19 +334,22 @@ class CausalLM(nn.Module):
                 x, residual = layer(x, residual, rope, self.rotary, ctx)
         if logits_idx is not None: x, residual = x[logits_idx], residual[logits_idx]
         x, _ = self.norm(x, residual, fused=fused)
+        if fused and self._gemv_decode(x, ctx): return _decode_linear(self.lm_head, x).float()   # as decode_layers
         return self.lm_head(x).float()
 
     def _gemv_decode(self, x: torch.Tensor, ctx: ForwardContext) -> bool:
-        "A decode step of a few rows whose matmuls all take the bf16 GEMV: `_decode_layers` can run it."
-        ext = kernels._ext()
-        return (not ctx.is_prefill and x.shape[0] <= GEMV_MAX_ROWS and not self.cfg.qk_norm
-                and x.dtype == torch.bfloat16 and hasattr(ext, 'linear_gemv')
-                and self.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16)
+        "A bf16 decode step that `_decode_layers` can run: up to `GEMV_MAX_ROWS` rows, or 64 over packed tiles."
+        ext, rows = kernels._ext(), x.shape[0]
+        if ctx.is_prefill or self.cfg.qk_norm or x.dtype != torch.bfloat16 or not hasattr(ext, 'linear_gemv'): return False
+        if self.layers[0].mlp.down_proj.weight is None or self.layers[0].mlp.down_proj.weight.dtype != torch.bfloat16:
+            return False
+        tiles = getattr(self.layers[0].mlp.down_proj, 'tiles', None) is not None   # packed by the engine (chapter 08)
+        return rows <= GEMV_MAX_ROWS or (tiles and rows <= 64 and hasattr(ext, 'decode_layers'))
 
     def _decode_layers(self, x: torch.Tensor, ctx: ForwardContext):
         "All decoder layers of a small decode step as direct C++ calls: the same ops as `DecoderLayer`, minus the module calls."
         ext, n = kernels._ext(), x.shape[0]
-        gemv, norm_, rope_store_, attend = ext.linear_gemv, ext.fused_add_rms_norm_, ext.rope_store_kv_, ext.decode_attention
+        norm_, rope_store_, attend = ext.fused_add_rms_norm_, ext.rope_store_kv_, ext.decode_attention
         cos, sin, pos, loc = self.rotary.cos, self.rotary.sin, ctx.positions, ctx.out_loc
         pt, ti, sl = ctx.page_table, ctx.table_idx, ctx.seq_lens
         residual = x
@@ -349,30 +358,32 @@ class CausalLM(nn.Module):
             ln1 = layer.input_layernorm
             if i == 0: x = ext.rms_norm(x, ln1.weight, ln1.eps)
             else: norm_(x, residual, ln1.weight, ln1.eps)
-            qkv = gemv(x, att.qkv_proj.weight, att.qkv_proj.bias)
+            qkv = _decode_linear(att.qkv_proj, x)
             rope_store_(qkv, pos, cos, sin, k_cache, v_cache, loc, att.num_heads, att.num_kv_heads)
             hq, d = att.num_heads, att.head_dim
             o = attend(qkv[:, :hq * d].view(n, hq, d), k_cache, v_cache, pt, ti, sl, att.scale, att.sliding_window)
-            x = gemv(o.view(n, hq * d), att.o_proj.weight, att.o_proj.bias)
+            x = _decode_linear(att.o_proj, o.view(n, hq * d))
             ln2 = layer.post_attention_layernorm
             norm_(x, residual, ln2.weight, ln2.eps)
-            h = ext.silu_mul(gemv(x, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias))
-            x = gemv(h, mlp.down_proj.weight, mlp.down_proj.bias)
+            h = ext.silu_mul(_decode_linear(mlp.gate_up_proj, x))
+            x = _decode_linear(mlp.down_proj, h)
         return x, residual
 
     def _decode_layers_native(self, x: torch.Tensor, ctx: ForwardContext, head: bool = False):
         "`_decode_layers` as one C++ call (`csrc/cpu/decode.cpp`); `head`: go on through the final norm and LM head to the logits."
-        if getattr(self, '_native_weights', None) is None:   # the parameters themselves, gathered once
+        if getattr(self, '_native_weights', None) is None:   # the parameters (or packed tiles) themselves, gathered once
+            lin = lambda m: m.tiles if getattr(m, 'tiles', None) is not None else m.weight
             self._native_weights = [w for l in self.layers for w in (
-                l.input_layernorm.weight, l.self_attn.qkv_proj.weight, l.self_attn.qkv_proj.bias,
-                l.self_attn.o_proj.weight, l.self_attn.o_proj.bias, l.post_attention_layernorm.weight,
-                l.mlp.gate_up_proj.weight, l.mlp.gate_up_proj.bias, l.mlp.down_proj.weight, l.mlp.down_proj.bias)]
+                l.input_layernorm.weight, lin(l.self_attn.qkv_proj), l.self_attn.qkv_proj.bias,
+                lin(l.self_attn.o_proj), l.self_attn.o_proj.bias, l.post_attention_layernorm.weight,
+                lin(l.mlp.gate_up_proj), l.mlp.gate_up_proj.bias, lin(l.mlp.down_proj), l.mlp.down_proj.bias)]
+            self._native_head = lin(self.lm_head)
         att = self.layers[0].self_attn
         out = kernels._ext().decode_layers(
             x, self._native_weights, self.cfg.rms_norm_eps, [k for k, _ in ctx.kv_caches], [v for _, v in ctx.kv_caches],
             self.rotary.cos, self.rotary.sin, ctx.positions, ctx.out_loc, ctx.page_table, ctx.table_idx, ctx.seq_lens,
             att.num_heads, att.num_kv_heads, att.scale, [l.self_attn.sliding_window for l in self.layers],
-            self.norm.weight if head else None, self.lm_head.weight if head else None)
+            self.norm.weight if head else None, self._native_head if head else None, self.lm_head.out_features)
         return out[0] if head else out
 
     def can_fuse(self, x: torch.Tensor, ctx: ForwardContext) -> bool:

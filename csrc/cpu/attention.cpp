@@ -437,7 +437,41 @@ struct DecodeAttentionPlan::Impl {
   std::vector<int64_t> first_part;      // parts of pair bh: [first_part[bh], first_part[bh + 1])
   std::vector<int64_t> split_pairs;     // pairs with more than one part: merged after all tasks
   std::vector<float> parts;             // per part: G maxima, G sums, G x D accumulators
-  std::unique_ptr<Scratch> scratch;     // for runs on the calling thread
+  std::vector<std::unique_ptr<Scratch>> scratch;  // one per thread of an in-region run (see run_task)
+
+  // Merge the partial softmax states of one (request, head) and write its G output rows. A pair with a
+  // single part (the common case) is finished by the thread that computed it, right after its task; only
+  // split pairs need the second pass.
+  template <typename scalar_t>
+  void finish(int64_t bh, float* acc) const {
+    const int64_t G = a.G, D = a.D;
+    scalar_t* o = static_cast<scalar_t*>(a.out);
+    const int64_t b = bh / a.Hkv, h = bh % a.Hkv, p0 = first_part[bh], p1 = first_part[bh + 1];
+    for (int64_t g = 0; g < G; ++g) {
+      float mmax = kNegInf;
+      for (int64_t q = p0; q < p1; ++q) mmax = std::max(mmax, parts[q * part_size + g]);
+      float lsum = 0.f;
+      std::fill(acc, acc + D, 0.f);
+      for (int64_t q = p0; q < p1; ++q) {
+        const float* part = parts.data() + q * part_size;
+        const float w = std::exp(part[g] - mmax);
+        lsum += w * part[G + g];
+        const float* pa = part + 2 * G + g * D;
+        for (int64_t d = 0; d < D; ++d) acc[d] += w * pa[d];
+      }
+      from_f32(acc, o + (b * a.Hq + h * G + g) * D, static_cast<int>(D), 1.f / lsum);
+    }
+  }
+  void finish_any(int64_t bh, float* acc) const {
+    if (dtype == at::kFloat) finish<float>(bh, acc);
+    else if (dtype == at::kBFloat16) finish<c10::BFloat16>(bh, acc);
+    else finish<c10::Half>(bh, acc);
+  }
+  void task(int64_t t, Scratch& sc) {
+    fn(a, tasks[t], parts.data(), sc);
+    const int64_t bh = tasks[t].b * a.Hkv + tasks[t].h;
+    if (first_part[bh + 1] - first_part[bh] == 1) finish_any(bh, sc.row.data());
+  }
 };
 
 DecodeAttentionPlan::DecodeAttentionPlan(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -482,63 +516,46 @@ DecodeAttentionPlan::DecodeAttentionPlan(const at::Tensor& q, const at::Tensor& 
   for (int64_t bh = 0; bh < pairs; ++bh)
     if (p.first_part[bh + 1] - p.first_part[bh] > 1) p.split_pairs.push_back(bh);
   for (const auto& t : p.tasks) p.macs += (t.k1 - t.k0) * a.G * a.D;
-  p.scratch.reset(new Scratch(a.G, a.D, a.G));
+  for (int64_t t = 0; t < std::max<int64_t>(1, threads); ++t) p.scratch.emplace_back(new Scratch(a.G, a.D, a.G));
 }
 
 DecodeAttentionPlan::~DecodeAttentionPlan() = default;
 
-void DecodeAttentionPlan::run(const at::Tensor& k_cache, const at::Tensor& v_cache, bool parallel) {
-  Impl& p = *impl_;
-  Args a = p.a;
+void DecodeAttentionPlan::bind(const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  Args& a = impl_->a;
   a.k = k_cache.data_ptr();
   a.v = v_cache.data_ptr();
   a.k_s0 = k_cache.stride(0);
   a.k_s1 = k_cache.stride(1);
   a.v_s0 = v_cache.stride(0);
   a.v_s1 = v_cache.stride(1);
-  const int64_t G = a.G, D = a.D, part_size = p.part_size;
-  float* parts = p.parts.data();
-  const auto& first_part = p.first_part;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, p.dtype, "decode_attention_cpu", [&] {
-    scalar_t* o = static_cast<scalar_t*>(a.out);
-    // Merge the partial softmax states of one (request, head) and write its G output rows. A pair with a
-    // single part (the common case) is finished by the thread that computed it, inside the same parallel
-    // region; only split pairs need the second pass.
-    auto finish = [&](int64_t bh, float* acc) {
-      const int64_t b = bh / a.Hkv, h = bh % a.Hkv, p0 = first_part[bh], p1 = first_part[bh + 1];
-      for (int64_t g = 0; g < G; ++g) {
-        float mmax = kNegInf;
-        for (int64_t q = p0; q < p1; ++q) mmax = std::max(mmax, parts[q * part_size + g]);
-        float lsum = 0.f;
-        std::fill(acc, acc + D, 0.f);
-        for (int64_t q = p0; q < p1; ++q) {
-          const float* part = parts + q * part_size;
-          const float w = std::exp(part[g] - mmax);
-          lsum += w * part[G + g];
-          const float* pa = part + 2 * G + g * D;
-          for (int64_t d = 0; d < D; ++d) acc[d] += w * pa[d];
-        }
-        from_f32(acc, o + (b * a.Hq + h * G + g) * D, static_cast<int>(D), 1.f / lsum);
-      }
-    };
-    auto task = [&](int64_t t, Scratch& sc) {
-      p.fn(a, p.tasks[t], parts, sc);
-      const int64_t bh = p.tasks[t].b * a.Hkv + p.tasks[t].h;
-      if (first_part[bh + 1] - first_part[bh] == 1) finish(bh, sc.row.data());
-    };
-    const int64_t ntasks = static_cast<int64_t>(p.tasks.size());
-    if (parallel) {
-      run_dynamic(ntasks, p.macs, G, D, G, task);
-      if (!p.split_pairs.empty())
-        at::parallel_for(0, static_cast<int64_t>(p.split_pairs.size()), 16, [&](int64_t begin, int64_t end) {
-          std::vector<float> acc(D);
-          for (int64_t i = begin; i < end; ++i) finish(p.split_pairs[i], acc.data());
-        });
-    } else {
-      for (int64_t t = 0; t < ntasks; ++t) task(t, *p.scratch);
-      for (const int64_t bh : p.split_pairs) finish(bh, p.scratch->row.data());
-    }
-  });
+}
+
+int64_t DecodeAttentionPlan::num_tasks() const { return static_cast<int64_t>(impl_->tasks.size()); }
+int64_t DecodeAttentionPlan::num_split_pairs() const { return static_cast<int64_t>(impl_->split_pairs.size()); }
+int64_t DecodeAttentionPlan::threads() const { return static_cast<int64_t>(impl_->scratch.size()); }
+
+void DecodeAttentionPlan::run_task(int64_t t, int64_t thread) { impl_->task(t, *impl_->scratch[thread]); }
+
+void DecodeAttentionPlan::finish_split(int64_t i, int64_t thread) {
+  impl_->finish_any(impl_->split_pairs[i], impl_->scratch[thread]->row.data());
+}
+
+void DecodeAttentionPlan::run(const at::Tensor& k_cache, const at::Tensor& v_cache, bool parallel) {
+  Impl& p = *impl_;
+  bind(k_cache, v_cache);
+  const int64_t ntasks = num_tasks();
+  if (parallel) {
+    run_dynamic(ntasks, p.macs, p.a.G, p.a.D, p.a.G, [&](int64_t t, Scratch& sc) { p.task(t, sc); });
+    if (!p.split_pairs.empty())
+      at::parallel_for(0, num_split_pairs(), 16, [&](int64_t begin, int64_t end) {
+        std::vector<float> acc(p.a.D);
+        for (int64_t i = begin; i < end; ++i) p.finish_any(p.split_pairs[i], acc.data());
+      });
+  } else {
+    for (int64_t t = 0; t < ntasks; ++t) run_task(t, 0);
+    for (int64_t i = 0; i < num_split_pairs(); ++i) finish_split(i, 0);
+  }
 }
 
 }  // namespace cpu

@@ -16,12 +16,23 @@ class DecodeAttentionPlan {
  public:
   // q: [B, Hq, D] (last dim contiguous) and out: contiguous [B, Hq, D], both fixed for the plan's runs; the
   // caches given here fix the layout (shape, dtype) that every run's caches must have. Checks everything.
+  // threads: how many threads will share a run (long requests are split into more tasks to feed them).
   DecodeAttentionPlan(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& page_table, const at::Tensor& table_idx, const at::Tensor& seq_lens,
                       double scale, int64_t sliding_window, const at::Tensor& out, int64_t threads);
   ~DecodeAttentionPlan();
   // out = attention of q over these caches; on torch's threads (parallel) or on the calling thread alone.
   void run(const at::Tensor& k_cache, const at::Tensor& v_cache, bool parallel);
+
+  // The same in pieces, for threads the caller runs (decode.cpp's region): bind the caches (one thread), then
+  // every task t once, on any threads (`thread` < threads() picks the scratch), then, after all tasks, every
+  // split pair i once. Tasks are sorted longest first.
+  void bind(const at::Tensor& k_cache, const at::Tensor& v_cache);
+  int64_t num_tasks() const;
+  int64_t num_split_pairs() const;
+  int64_t threads() const;
+  void run_task(int64_t t, int64_t thread);
+  void finish_split(int64_t i, int64_t thread);
 
  private:
   struct Impl;

@@ -1,22 +1,24 @@
-// decode.cpp -- all decoder layers of a small bf16 decode step in one call, in one parallel region (CPU).
+// decode.cpp -- all decoder layers of a bf16 decode step (up to 64 requests) in one call, in one parallel region.
 //
 // The loop of `CausalLM._decode_layers` (nbs/05_models.ipynb), op for op, with two differences:
 //   - it runs in C++: from Python, a step of the default model is 240 kernel calls whose interpreter, pybind
 //     argument conversion and module lookups cost ~1 ms of a ~10 ms step; here the GIL is also released for
 //     the whole step (bindings.cpp), so the overlap scheduler's Python thread runs meanwhile;
-//   - the whole step is ONE OpenMP region. Run as separate calls, each of the 120 GEMVs opens its own region,
+//   - the whole step is ONE OpenMP region. Run as separate calls, each of the 120 matmuls opens its own region,
 //     and under OMP_WAIT_POLICY=PASSIVE every region wakes the pool's sleeping threads (~40-60 us measured,
-//     as long as a small GEMV). Here the threads stay in the region: every thread streams its part of each
-//     GEMV (gemv.h), thread 0 alone runs the small serial kernels between them (norms, rotary + K/V store,
-//     attention, SiLU), and a spin barrier separates the phases. No extra threads: whatever OpenMP's wait
+//     as long as a small GEMV). Here the threads stay in the region and a spin barrier separates the phases:
+//     every thread streams its part of each matmul (gemv.h: the GEMV over a plain weight, or the tiles over a
+//     packed one), and the small kernels in between split the rows of the batch (norms, rotary + K/V store,
+//     SiLU) or the attention plan's tasks (attention_plan.h). No extra threads: whatever OpenMP's wait
 //     policy, nothing else competes for the cores.
 //
 // weights: 10 per layer, in this order (None where a layer has no bias):
-//   input_layernorm.weight, qkv_proj.weight, qkv_proj.bias, o_proj.weight, o_proj.bias,
-//   post_attention_layernorm.weight, gate_up_proj.weight, gate_up_proj.bias, down_proj.weight, down_proj.bias
+//   input_layernorm.weight, qkv_proj, qkv_proj.bias, o_proj, o_proj.bias,
+//   post_attention_layernorm.weight, gate_up_proj, gate_up_proj.bias, down_proj, down_proj.bias
+// where each projection is its plain bf16 weight [N, K] or its packed tiles (pack_linear_weight).
 // Returns (x, residual) after the last layer, as the Python loop does; given the final norm's weight and the LM
-// head's, the step goes on to the logits and returns (logits, residual): fp32 [rows, vocab] holding the bf16
-// values `lm_head(norm(x, residual)).float()` would give, written by the GEMV in one pass.
+// head (plain, or packed with its vocab_size), the step goes on to the logits and returns (logits, residual): fp32 [rows, vocab]
+// holding the bf16 values `lm_head(norm(x, residual)).float()` would give, written by the matmul in one pass.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
@@ -25,6 +27,7 @@
 #include <exception>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <thread>
 #include <tuple>
 #include <vector>
@@ -43,6 +46,8 @@
 
 namespace minisgl {
 namespace {
+
+using namespace cpu;
 
 // A barrier for the n threads of one region, spinning (a phase lasts microseconds; sleeping would cost a
 // wake-up per phase). A waiter that spins long yields its core, in case the thread it waits for lost it.
@@ -66,7 +71,21 @@ class SpinBarrier {
   std::atomic<uint32_t> gen_{0};
 };
 
+// One projection of the step: the GEMV over a plain weight, or the tiles over a packed one.
+struct LinearPlan {
+  bool tiles = false;
+  GemvPlan gemv;
+  TilesPlan tp;
+  int64_t parts() const { return tiles ? tp.parts : gemv.parts; }
+  void run(int64_t part, const at::Tensor& x, const at::Tensor& y, YFormat yf) const {
+    if (tiles) run_tiles_part(tp, x.data_ptr(), x.stride(0), x.size(0), y.data_ptr(), y.stride(0), yf, part);
+    else run_gemv_part(gemv, x.data_ptr(), x.stride(0), true, y.data_ptr(), y.stride(0), yf, part);
+  }
+};
+
 constexpr size_t kPerLayer = 10;
+constexpr int64_t kMaxRows = 64;
+constexpr int64_t kSerialRows = 4;  // up to this many rows, the row-wise kernels run on thread 0 alone
 
 }  // namespace
 
@@ -76,8 +95,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_cpu(
     const at::Tensor& sin, const at::Tensor& positions, const at::Tensor& out_loc, const at::Tensor& page_table,
     const at::Tensor& table_idx, const at::Tensor& seq_lens, int64_t num_q_heads, int64_t num_kv_heads,
     double scale, const std::vector<int64_t>& sliding_windows, const c10::optional<at::Tensor>& final_norm,
-    const c10::optional<at::Tensor>& lm_head) {
-  using namespace cpu;
+    const c10::optional<at::Tensor>& lm_head, int64_t vocab_size) {
   const char* fn = "decode_layers";
   const size_t L = k_caches.size();
   TORCH_CHECK(L >= 1, fn, ": no layers");
@@ -89,48 +107,73 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_cpu(
               ": x must be a bfloat16 CPU tensor [rows, hidden], got ", x_in.sizes(), " ", x_in.scalar_type());
   const int64_t n = x_in.size(0), H = x_in.size(1), Hq = num_q_heads, Hkv = num_kv_heads;
   const int64_t D = k_caches[0].size(2);
-  TORCH_CHECK(n >= 1 && n <= kGemvMaxM, fn, ": between 1 and ", kGemvMaxM, " rows, got ", n);
+  TORCH_CHECK(n >= 1 && n <= kMaxRows, fn, ": between 1 and ", kMaxRows, " rows, got ", n);
+  const int nt = static_cast<int>(std::max(1, at::get_num_threads()));
 
   // Everything that can fail is checked here, before the region (an exception must not cross it).
-  auto weight = [&](size_t l, size_t i, int64_t rows, int64_t cols) -> const at::Tensor& {
-    const auto& w = weights[l * kPerLayer + i];
-    TORCH_CHECK(w.has_value() && w->defined(), fn, ": weight ", i, " of layer ", l, " is missing");
-    const bool vec = cols == 0;
-    TORCH_CHECK(w->device().is_cpu() && w->scalar_type() == at::kBFloat16 && w->is_contiguous() &&
-                    (vec ? w->dim() == 1 && w->size(0) == rows : w->dim() == 2 && w->size(0) == rows && w->size(1) == cols),
-                fn, ": weight ", i, " of layer ", l, " must be a contiguous bfloat16 CPU tensor of shape [", rows,
-                vec ? "" : ", ", vec ? "" : std::to_string(cols), "], got ", w->sizes(), " ", w->scalar_type());
+  std::vector<at::Tensor> biases;  // fp32 copies, alive until the end of the step
+  auto vec = [&](const c10::optional<at::Tensor>& w, const char* what, size_t l) -> const at::Tensor& {
+    TORCH_CHECK(w.has_value() && w->defined() && w->device().is_cpu() && w->scalar_type() == at::kBFloat16 &&
+                    w->is_contiguous() && w->dim() == 1 && w->size(0) == H,
+                fn, ": ", what, " of layer ", l, " must be a contiguous bfloat16 CPU tensor [", H, "]");
     return *w;
   };
-  std::vector<at::Tensor> biases;  // fp32 copies, alive until the end of the step
-  auto bias = [&](size_t l, size_t i, int64_t rows) -> const float* {
-    const auto& b = weights[l * kPerLayer + i];
-    if (!b.has_value() || !b->defined()) return nullptr;
-    TORCH_CHECK(b->device().is_cpu() && b->dim() == 1 && b->size(0) == rows, fn, ": bias ", i, " of layer ", l,
-                " must be a CPU tensor of shape [", rows, "], got ", b->sizes());
-    biases.push_back(b->to(at::kFloat).contiguous());
-    return biases.back().data_ptr<float>();
+  auto linear = [&](const c10::optional<at::Tensor>& w, const c10::optional<at::Tensor>& b, int64_t rows,
+                    int64_t cols, const char* what, size_t l) {
+    TORCH_CHECK(w.has_value() && w->defined(), fn, ": ", what, " of layer ", l, " is missing");
+    TORCH_CHECK(w->device().is_cpu() && w->scalar_type() == at::kBFloat16 && w->is_contiguous(), fn, ": ", what,
+                " of layer ", l, " must be a contiguous bfloat16 CPU tensor, got ", w->scalar_type());
+    const float* bp = nullptr;
+    if (b.has_value() && b->defined()) {
+      TORCH_CHECK(b->device().is_cpu() && b->dim() == 1 && b->size(0) == rows, fn, ": bias of ", what, " of layer ",
+                  l, " must be a CPU tensor of shape [", rows, "], got ", b->sizes());
+      biases.push_back(b->to(at::kFloat).contiguous());
+      bp = biases.back().data_ptr<float>();
+    }
+    LinearPlan p;
+    if (w->dim() == 4) {  // packed tiles
+      TORCH_CHECK(linear_packed_available(), fn, ": packed weights need a CPU with AVX512-BF16");
+      TORCH_CHECK(w->size(0) == (rows + 15) / 16 && w->size(1) * 2 == cols && w->size(2) == 16 && w->size(3) == 2,
+                  fn, ": packed ", what, " of layer ", l, " must be pack_linear_weight of a [", rows, ", ", cols,
+                  "] weight, got ", w->sizes());
+      p.tiles = true;
+      p.tp = make_tiles_plan(*w, rows, bp, nt);
+    } else {
+      TORCH_CHECK(w->dim() == 2 && w->size(0) == rows && w->size(1) == cols, fn, ": ", what, " of layer ", l,
+                  " must have shape [", rows, ", ", cols, "], got ", w->sizes());
+      p.gemv = make_gemv_plan(*w, bp, n, true, nt, "");
+    }
+    return p;
   };
   const int64_t QKV = (Hq + 2 * Hkv) * D;
-  const int64_t I2 = weights[6].has_value() && weights[6]->defined() ? weights[6]->size(0) : 0;
+  const auto& gu0 = weights[6];
+  TORCH_CHECK(gu0.has_value() && gu0->defined() && (gu0->dim() == 2 || gu0->dim() == 4), fn,
+              ": gate_up_proj of layer 0 is missing");
+  // gate_up's rows: from a plain weight, or from down_proj's columns (2 x intermediate) for packed ones
+  const auto& dn0 = weights[8];
+  TORCH_CHECK(dn0.has_value() && dn0->defined() && (dn0->dim() == 2 || dn0->dim() == 4), fn,
+              ": down_proj of layer 0 is missing");
+  const int64_t I2 = gu0->dim() == 2 ? gu0->size(0) : (dn0->dim() == 2 ? 2 * dn0->size(1) : 4 * dn0->size(1));
   TORCH_CHECK(I2 > 0 && I2 % 2 == 0, fn, ": gate_up_proj must have an even, non-zero number of rows");
-  const int nt = static_cast<int>(std::max(1, at::get_num_threads()));
   struct Layer {
     const at::Tensor *ln1, *ln2;
-    GemvPlan qkv, o, gate_up, down;
+    LinearPlan qkv, o, gate_up, down;
   };
   std::vector<Layer> layers(L);
   biases.reserve(4 * L);
   for (size_t l = 0; l < L; ++l) {
+    const size_t w = l * kPerLayer;
     Layer& ly = layers[l];
-    ly.ln1 = &weight(l, 0, H, 0);
-    ly.ln2 = &weight(l, 5, H, 0);
-    ly.qkv = make_gemv_plan(weight(l, 1, QKV, H), bias(l, 2, QKV), n, true, nt, "");
-    ly.o = make_gemv_plan(weight(l, 3, H, Hq * D), bias(l, 4, H), n, true, nt, "");
-    ly.gate_up = make_gemv_plan(weight(l, 6, I2, H), bias(l, 7, I2), n, true, nt, "");
-    ly.down = make_gemv_plan(weight(l, 8, H, I2 / 2), bias(l, 9, H), n, true, nt, "");
-    TORCH_CHECK(k_caches[l].dim() == 3 && k_caches[l].size(1) == Hkv && k_caches[l].size(2) == D, fn,
-                ": k_caches[", l, "] must be [slots, ", Hkv, ", ", D, "], got ", k_caches[l].sizes());
+    ly.ln1 = &vec(weights[w + 0], "input_layernorm", l);
+    ly.ln2 = &vec(weights[w + 5], "post_attention_layernorm", l);
+    ly.qkv = linear(weights[w + 1], weights[w + 2], QKV, H, "qkv_proj", l);
+    ly.o = linear(weights[w + 3], weights[w + 4], H, Hq * D, "o_proj", l);
+    ly.gate_up = linear(weights[w + 6], weights[w + 7], I2, H, "gate_up_proj", l);
+    ly.down = linear(weights[w + 8], weights[w + 9], H, I2 / 2, "down_proj", l);
+    TORCH_CHECK(k_caches[l].dim() == 3 && k_caches[l].size(1) == Hkv && k_caches[l].size(2) == D &&
+                    k_caches[l].sizes() == k_caches[0].sizes() && k_caches[l].scalar_type() == at::kBFloat16,
+                fn, ": every layer's caches must be bfloat16 [slots, ", Hkv, ", ", D, "] like layer 0's, got ",
+                k_caches[l].sizes());
   }
   const auto pos = positions.to(at::kLong).contiguous(), loc = out_loc.to(at::kLong).contiguous();
   TORCH_CHECK(pos.dim() == 1 && pos.size(0) == n && loc.dim() == 1 && loc.size(0) == n, fn,
@@ -143,91 +186,117 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_cpu(
   auto qkv = at::empty({n, QKV}, x_in.options());
   const at::Tensor q = qkv.narrow(1, 0, Hq * D).view({n, Hq, D});
   const auto o3 = at::empty({n, Hq, D}, x_in.options());  // attention out
+  const at::Tensor o = o3.view({n, Hq * D});
   // One attention plan per distinct sliding window (all layers share the queries, page table and lengths).
   std::map<int64_t, std::unique_ptr<DecodeAttentionPlan>> attn;
   for (size_t l = 0; l < L; ++l) {
     check_attention(q, k_caches[l], v_caches[l], page_table, table_idx, seq_lens, c10::nullopt, scale,
                     sliding_windows[l]);
-    TORCH_CHECK(k_caches[l].sizes() == k_caches[0].sizes() && k_caches[l].scalar_type() == at::kBFloat16, fn,
-                ": every layer's caches must be bfloat16 and shaped like layer 0's");
     auto& plan = attn[sliding_windows[l]];
     if (!plan)
       plan.reset(new DecodeAttentionPlan(q, k_caches[l], v_caches[l], page_table, table_idx, seq_lens, scale,
-                                         sliding_windows[l], o3, 1));
+                                         sliding_windows[l], o3, nt));
   }
-  const at::Tensor o = o3.view({n, Hq * D});
-
   // With the final norm and the LM head, the step ends with the logits (as `lm_head(norm(x)).float()`).
-  const bool head = final_norm.has_value() && final_norm->defined() && lm_head.has_value() && lm_head->defined();
-  TORCH_CHECK(head || !((final_norm.has_value() && final_norm->defined()) || (lm_head.has_value() && lm_head->defined())),
-              fn, ": final_norm and lm_head go together");
-  GemvPlan head_plan;
+  const bool has_norm = final_norm.has_value() && final_norm->defined();
+  const bool has_head = lm_head.has_value() && lm_head->defined();
+  TORCH_CHECK(has_norm == has_head, fn, ": final_norm and lm_head go together");
+  LinearPlan head_plan;
   at::Tensor logits;
-  if (head) {
-    TORCH_CHECK(final_norm->dim() == 1 && final_norm->size(0) == H && final_norm->scalar_type() == at::kBFloat16 &&
-                    final_norm->is_contiguous() && final_norm->device().is_cpu(),
-                fn, ": final_norm must be a contiguous bfloat16 CPU tensor of shape [", H, "]");
-    TORCH_CHECK(lm_head->dim() == 2 && lm_head->size(1) == H && lm_head->scalar_type() == at::kBFloat16 &&
-                    lm_head->is_contiguous() && lm_head->device().is_cpu(),
-                fn, ": lm_head must be a contiguous bfloat16 CPU tensor of shape [vocab, ", H, "]");
-    head_plan = make_gemv_plan(*lm_head, nullptr, n, true, nt, "");
-    logits = at::empty({n, lm_head->size(0)}, x_in.options().dtype(at::kFloat));
+  if (has_head) {
+    vec(final_norm, "final_norm", L);
+    const int64_t V = lm_head->dim() == 4 ? vocab_size : lm_head->size(0);
+    TORCH_CHECK(V >= 1, fn, ": a packed lm_head needs vocab_size");
+    head_plan = linear(lm_head, c10::nullopt, V, H, "lm_head", L);
+    logits = at::empty({n, V}, x_in.options().dtype(at::kFloat));
   }
 
   at::Tensor residual = x_in;
   at::Tensor x = rms_norm_cpu(x_in, *layers[0].ln1, eps);  // qkv_proj's input; then down_proj's output
   auto xo = at::empty({n, H}, x_in.options());              // o_proj out, then normed: gate_up_proj's input
   auto gu = at::empty({n, I2}, x_in.options());
-  at::Tensor h;                                              // silu(gate) * up
+  auto h = at::empty({n, I2 / 2}, x_in.options());          // silu(gate) * up
   SpinBarrier barrier;
   std::exception_ptr error;
+  std::mutex error_mu;
   std::atomic<bool> failed{false};
   std::atomic<int> leaving{0};
+  std::atomic<int64_t> next_task{0};
 
 #pragma omp parallel num_threads(nt)
   {
     const int tid = omp_get_thread_num(), team = omp_get_num_threads();
-    // Each thread runs its part of a GEMV; a plan with fewer parts than threads leaves the rest idle.
-    auto gemv = [&](const GemvPlan& p, const at::Tensor& in, at::Tensor& out, YFormat yf = YFormat::bf16) {
-      for (int64_t part = tid; part < p.parts; part += team)
-        run_gemv_part(p, in.data_ptr(), in.stride(0), true, out.data_ptr(), out.stride(0), yf, part);
+    auto matmul = [&](const LinearPlan& p, const at::Tensor& in, const at::Tensor& out,
+                      YFormat yf = YFormat::bf16) {
+      for (int64_t part = tid; part < p.parts(); part += team) p.run(part, in, out, yf);
+      barrier.wait(team);
     };
-    // Thread 0 runs f; every thread returns whether the step failed (then all leave the loop together).
-    auto serial = [&](auto&& f) {
-      if (tid == 0) {
+    // f(r0, r1) for this thread's rows (all rows on thread 0 for a small batch); true when the step failed.
+    auto rows = [&](auto&& f) {
+      const int64_t per = n <= kSerialRows ? n : (n + team - 1) / team;
+      const int64_t r0 = n <= kSerialRows ? (tid == 0 ? 0 : n) : std::min<int64_t>(n, tid * per);
+      const int64_t r1 = std::min<int64_t>(n, r0 + per);
+      if (r0 < r1) {
         try {
-          f();
+          f(r0, r1 - r0);
         } catch (...) {
-          error = std::current_exception();
+          std::lock_guard<std::mutex> lk(error_mu);
+          if (!error) error = std::current_exception();
           failed.store(true, std::memory_order_relaxed);
         }
       }
       barrier.wait(team);
       return failed.load(std::memory_order_relaxed);
     };
+    auto attention = [&](DecodeAttentionPlan& plan) {
+      for (int64_t t; (t = next_task.fetch_add(1, std::memory_order_relaxed)) < plan.num_tasks();)
+        plan.run_task(t, tid);
+      barrier.wait(team);
+      if (plan.num_split_pairs() > 0) {
+        for (int64_t i = tid; i < plan.num_split_pairs(); i += team) plan.finish_split(i, tid);
+        barrier.wait(team);
+      }
+    };
     for (size_t l = 0; l < L; ++l) {
       const Layer& ly = layers[l];
-      if (l > 0 && serial([&] { fused_add_rms_norm_cpu(x, residual, *ly.ln1, eps); })) break;
-      gemv(ly.qkv, x, qkv);
-      barrier.wait(team);
-      if (serial([&] {
-            at::Tensor kc = k_caches[l], vc = v_caches[l];
-            rope_store_kv_cpu(qkv, pos, cos, sin, kc, vc, loc, Hq, Hkv);
-            attn[sliding_windows[l]]->run(kc, vc, false);
+      DecodeAttentionPlan& plan = *attn[sliding_windows[l]];
+      if (l > 0 && rows([&](int64_t r, int64_t c) {
+            at::Tensor xs = x.narrow(0, r, c), rs = residual.narrow(0, r, c);
+            fused_add_rms_norm_cpu(xs, rs, *ly.ln1, eps);
           }))
         break;
-      gemv(ly.o, o, xo);
-      barrier.wait(team);
-      if (serial([&] { fused_add_rms_norm_cpu(xo, residual, *ly.ln2, eps); })) break;
-      gemv(ly.gate_up, xo, gu);
-      barrier.wait(team);
-      if (serial([&] { h = silu_mul_cpu(gu); })) break;
-      gemv(ly.down, h, x);
-      barrier.wait(team);
+      matmul(ly.qkv, x, qkv);
+      if (rows([&](int64_t r, int64_t c) {
+            at::Tensor kc = k_caches[l], vc = v_caches[l], part = qkv.narrow(0, r, c);
+            rope_store_kv_cpu(part, pos.narrow(0, r, c), cos, sin, kc, vc, loc.narrow(0, r, c), Hq, Hkv);
+            if (r == 0) {  // one thread readies the attention of this layer
+              plan.bind(kc, vc);
+              next_task.store(0, std::memory_order_relaxed);
+            }
+          }))
+        break;
+      attention(plan);
+      matmul(ly.o, o, xo);
+      if (rows([&](int64_t r, int64_t c) {
+            at::Tensor xs = xo.narrow(0, r, c), rs = residual.narrow(0, r, c);
+            fused_add_rms_norm_cpu(xs, rs, *ly.ln2, eps);
+          }))
+        break;
+      matmul(ly.gate_up, xo, gu);
+      if (rows([&](int64_t r, int64_t c) {
+            at::Tensor hs = h.narrow(0, r, c);
+            silu_mul_out_cpu(gu.narrow(0, r, c), hs);
+          }))
+        break;
+      matmul(ly.down, h, x);
     }
-    if (head && !failed.load(std::memory_order_relaxed)) {
-      if (!serial([&] { fused_add_rms_norm_cpu(x, residual, *final_norm, eps); }))
-        gemv(head_plan, x, logits, YFormat::f32_bf16_rounded);
+    if (has_head && !failed.load(std::memory_order_relaxed)) {
+      if (!rows([&](int64_t r, int64_t c) {
+            at::Tensor xs = x.narrow(0, r, c), rs = residual.narrow(0, r, c);
+            fused_add_rms_norm_cpu(xs, rs, *final_norm, eps);
+          }))
+        for (int64_t part = tid; part < head_plan.parts(); part += team)
+          head_plan.run(part, x, logits, YFormat::f32_bf16_rounded);
     }
     // Thread 0 reaches the region's closing barrier last: with OMP_WAIT_POLICY=PASSIVE a thread that waits
     // there sleeps, and thread 0 (the caller) should not need waking before it returns.
@@ -238,7 +307,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_cpu(
     }
   }
   if (error) std::rethrow_exception(error);
-  return {head ? logits : x, residual};
+  return {has_head ? logits : x, residual};
 }
 
 }  // namespace minisgl

@@ -170,19 +170,22 @@ SiluRowFn pick_silu_row() {
 
 }  // namespace
 
-at::Tensor silu_mul_cpu(const at::Tensor& gate_up) {
+void silu_mul_out_cpu(const at::Tensor& gate_up, at::Tensor& out) {
   check_rows(gate_up, "silu_mul", "gate_up");
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "silu_mul: gate_up must have an even last dimension, got ", gate_up.sizes());
   const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2, gs = gate_up.stride(0);
-  auto out = at::empty({rows, n}, gate_up.options());
+  check_rows(out, "silu_mul", "out");
+  TORCH_CHECK(out.size(0) == rows && out.size(1) == n && out.scalar_type() == gate_up.scalar_type(),
+              "silu_mul: out must be [", rows, ", ", n, "] of gate_up's dtype, got ", out.sizes());
+  const int64_t os = out.stride(0);
   if (gate_up.scalar_type() == at::kBFloat16) {
     const uint16_t* gp = reinterpret_cast<const uint16_t*>(gate_up.data_ptr());
     uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
     const SiluRowFn row = pick_silu_row();
     for_rows(rows, [&](int64_t r0, int64_t r1) {
-      for (int64_t i = r0; i < r1; ++i) row(gp + i * gs, gp + i * gs + n, op + i * n, n);
+      for (int64_t i = r0; i < r1; ++i) row(gp + i * gs, gp + i * gs + n, op + i * os, n);
     });
-    return out;
+    return;
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_mul", [&] {
     const scalar_t* gp = gate_up.data_ptr<scalar_t>();
@@ -191,7 +194,7 @@ at::Tensor silu_mul_cpu(const at::Tensor& gate_up) {
       for (int64_t i = r0; i < r1; ++i) {
         const scalar_t* g = gp + i * gs;
         const scalar_t* u = g + n;
-        scalar_t* o = op + i * n;
+        scalar_t* o = op + i * os;
         for (int64_t j = 0; j < n; ++j) {
           const float x = f32(g[j]);
           const scalar_t sg = static_cast<scalar_t>(x / (1.f + std::exp(-x)));
@@ -200,6 +203,13 @@ at::Tensor silu_mul_cpu(const at::Tensor& gate_up) {
       }
     });
   });
+}
+
+at::Tensor silu_mul_cpu(const at::Tensor& gate_up) {
+  check_rows(gate_up, "silu_mul", "gate_up");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "silu_mul: gate_up must have an even last dimension, got ", gate_up.sizes());
+  auto out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  silu_mul_out_cpu(gate_up, out);
   return out;
 }
 

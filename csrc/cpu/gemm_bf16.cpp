@@ -19,6 +19,7 @@
 #include <algorithm>
 
 #include "../ops.h"
+#include "gemv.h"
 
 #pragma GCC diagnostic ignored "-Wpsabi"
 
@@ -53,7 +54,7 @@ bool has_bf16_dot() {
 // Rows [m0, m0 + MB) of x times output blocks [nb, nb + NB): acc[m][j] += x[m, k:k+2] * W[16 (nb + j) .. +16, k:k+2].
 template <int MB, int NB>
 MINISGL_TBF16 inline void tile(const uint16_t* x, int64_t xs, const uint16_t* wp, int64_t K2, const float* bias,
-                               uint16_t* y, int64_t ys, int64_t N, int64_t nb) {
+                               void* y, int64_t ys, bool y_f32, int64_t N, int64_t nb) {
   __m512 acc[MB][NB];
   for (int m = 0; m < MB; ++m)
     for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
@@ -76,7 +77,8 @@ MINISGL_TBF16 inline void tile(const uint16_t* x, int64_t xs, const uint16_t* wp
     const __m512 b = bias ? _mm512_maskz_loadu_ps(mk, bias + n0) : _mm512_setzero_ps();
     for (int m = 0; m < MB; ++m) {
       const __m256bh r = _mm512_cvtneps_pbh(_mm512_add_ps(acc[m][j], b));  // round to nearest even
-      _mm256_mask_storeu_epi16(y + m * ys + n0, mk, (__m256i)r);
+      if (y_f32) _mm512_mask_storeu_ps(static_cast<float*>(y) + m * ys + n0, mk, _mm512_cvtpbh_ps(r));
+      else _mm256_mask_storeu_epi16(static_cast<uint16_t*>(y) + m * ys + n0, mk, (__m256i)r);
     }
   }
 }
@@ -85,30 +87,59 @@ MINISGL_TBF16 inline void tile(const uint16_t* x, int64_t xs, const uint16_t* wp
 // bytes, 55 KB at K = 576) is read from memory once and from the caches for the next rows.
 template <int NB>
 MINISGL_TBF16 void tile_all_rows(const uint16_t* x, int64_t xs, int64_t M, const uint16_t* wp, int64_t K2,
-                                 const float* bias, uint16_t* y, int64_t ys, int64_t N, int64_t nb) {
+                                 const float* bias, void* y0, int64_t ys, bool y_f32, int64_t N, int64_t nb) {
   int64_t m0 = 0;
-  for (; m0 + kMB <= M; m0 += kMB) tile<kMB, NB>(x + m0 * xs, xs, wp, K2, bias, y + m0 * ys, ys, N, nb);
+  auto yrow = [&](int64_t m) -> void* {
+    return y_f32 ? static_cast<void*>(static_cast<float*>(y0) + m * ys) : static_cast<void*>(static_cast<uint16_t*>(y0) + m * ys);
+  };
+  for (; m0 + kMB <= M; m0 += kMB) tile<kMB, NB>(x + m0 * xs, xs, wp, K2, bias, yrow(m0), ys, y_f32, N, nb);
   switch (M - m0) {
-    case 1: tile<1, NB>(x + m0 * xs, xs, wp, K2, bias, y + m0 * ys, ys, N, nb); break;
-    case 2: tile<2, NB>(x + m0 * xs, xs, wp, K2, bias, y + m0 * ys, ys, N, nb); break;
-    case 3: tile<3, NB>(x + m0 * xs, xs, wp, K2, bias, y + m0 * ys, ys, N, nb); break;
-    case 4: tile<4, NB>(x + m0 * xs, xs, wp, K2, bias, y + m0 * ys, ys, N, nb); break;
-    case 5: tile<5, NB>(x + m0 * xs, xs, wp, K2, bias, y + m0 * ys, ys, N, nb); break;
-    case 6: tile<6, NB>(x + m0 * xs, xs, wp, K2, bias, y + m0 * ys, ys, N, nb); break;
-    case 7: tile<7, NB>(x + m0 * xs, xs, wp, K2, bias, y + m0 * ys, ys, N, nb); break;
+    case 1: tile<1, NB>(x + m0 * xs, xs, wp, K2, bias, yrow(m0), ys, y_f32, N, nb); break;
+    case 2: tile<2, NB>(x + m0 * xs, xs, wp, K2, bias, yrow(m0), ys, y_f32, N, nb); break;
+    case 3: tile<3, NB>(x + m0 * xs, xs, wp, K2, bias, yrow(m0), ys, y_f32, N, nb); break;
+    case 4: tile<4, NB>(x + m0 * xs, xs, wp, K2, bias, yrow(m0), ys, y_f32, N, nb); break;
+    case 5: tile<5, NB>(x + m0 * xs, xs, wp, K2, bias, yrow(m0), ys, y_f32, N, nb); break;
+    case 6: tile<6, NB>(x + m0 * xs, xs, wp, K2, bias, yrow(m0), ys, y_f32, N, nb); break;
+    case 7: tile<7, NB>(x + m0 * xs, xs, wp, K2, bias, yrow(m0), ys, y_f32, N, nb); break;
     default: break;
   }
 }
 
 MINISGL_TBF16 void blocks(const uint16_t* x, int64_t xs, int64_t M, const uint16_t* wp, int64_t K2, const float* bias,
-                          uint16_t* y, int64_t ys, int64_t N, int64_t nb0, int64_t nb1) {
+                          void* y, int64_t ys, bool y_f32, int64_t N, int64_t nb0, int64_t nb1) {
   int64_t nb = nb0;
-  for (; nb + kNB <= nb1; nb += kNB) tile_all_rows<kNB>(x, xs, M, wp, K2, bias, y, ys, N, nb);
-  for (; nb < nb1; ++nb) tile_all_rows<1>(x, xs, M, wp, K2, bias, y, ys, N, nb);
+  for (; nb + kNB <= nb1; nb += kNB) tile_all_rows<kNB>(x, xs, M, wp, K2, bias, y, ys, y_f32, N, nb);
+  for (; nb < nb1; ++nb) tile_all_rows<1>(x, xs, M, wp, K2, bias, y, ys, y_f32, N, nb);
 }
 #endif
 
 }  // namespace
+
+TilesPlan make_tiles_plan(const at::Tensor& packed, int64_t N, const float* bias, int64_t parts) {
+  TilesPlan p;
+  p.wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  p.bias = bias;
+  p.N = N;
+  p.K2 = packed.size(1);
+  p.nblk = packed.size(0);
+  // Contiguous ranges of output blocks, a multiple of kNB, about equal per part.
+  const int64_t tiles = (p.nblk + kNB - 1) / kNB;
+  p.parts = std::max<int64_t>(1, std::min<int64_t>(parts, tiles));
+  p.per = (tiles + p.parts - 1) / p.parts * kNB;
+  return p;
+}
+
+void run_tiles_part(const TilesPlan& p, const void* x, int64_t xs, int64_t M, void* y, int64_t ys, YFormat yf,
+                    int64_t part) {
+#ifdef MINISGL_GEMM_X86
+  TORCH_INTERNAL_ASSERT(yf != YFormat::f32, "linear_packed: writes bf16 values (as bf16 or fp32)");
+  const int64_t nb0 = part * p.per, nb1 = std::min(p.nblk, nb0 + p.per);
+  if (nb0 < nb1)
+    blocks(static_cast<const uint16_t*>(x), xs, M, p.wp, p.K2, p.bias, y, ys, yf == YFormat::f32_bf16_rounded, p.N,
+           nb0, nb1);
+#endif
+}
+
 }  // namespace cpu
 
 bool linear_packed_available() { return cpu::has_bf16_dot(); }
@@ -148,24 +179,10 @@ at::Tensor linear_packed(const at::Tensor& x_in, const at::Tensor& packed, int64
   auto out = at::empty({M, N}, x_in.options());
   if (M == 0 || N == 0) return out;
   const auto x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
-#ifdef MINISGL_GEMM_X86
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
-  uint16_t* yp = reinterpret_cast<uint16_t*>(out.data_ptr());
-  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-  const int64_t xs = x.stride(0);
-  // Contiguous ranges of output blocks, a multiple of kNB, about equal per thread.
-  const int64_t threads = std::max(1, at::get_num_threads());
-  const int64_t tiles = (NBLK + kNB - 1) / kNB;
-  const int64_t parts = std::min<int64_t>(threads, tiles);
-  const int64_t per = (tiles + parts - 1) / parts * kNB;
-  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t nb0 = p * per, nb1 = std::min(NBLK, nb0 + per);
-      if (nb0 < nb1) blocks(xp, xs, M, wp, K2, bp, yp, N, N, nb0, nb1);
-    }
+  const TilesPlan p = make_tiles_plan(packed, N, b.defined() ? b.data_ptr<float>() : nullptr, at::get_num_threads());
+  at::parallel_for(0, p.parts, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t t = p0; t < p1; ++t) run_tiles_part(p, x.data_ptr(), x.stride(0), M, out.data_ptr(), N, YFormat::bf16, t);
   });
-#endif
   return out;
 }
 

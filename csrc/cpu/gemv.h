@@ -53,5 +53,19 @@ enum class YFormat { f32, bf16, f32_bf16_rounded };
 void run_gemv_part(const GemvPlan& p, const void* x, int64_t xs, bool x_bf16, void* y, int64_t ys, YFormat yf,
                    int64_t part);
 
+// The batch kernel over packed weights (gemm_bf16.cpp, AVX512-BF16): W packed by pack_linear_weight as
+// [nblk = ceil(N/16), K2 = K/2, 16, 2], split into `parts` contiguous ranges of output blocks.
+struct TilesPlan {
+  const uint16_t* wp = nullptr;
+  const float* bias = nullptr;  // fp32 [N] or null; must outlive the plan's runs
+  int64_t N = 0, K2 = 0, nblk = 0, parts = 1, per = 0;
+};
+
+TilesPlan make_tiles_plan(const at::Tensor& packed, int64_t N, const float* bias, int64_t parts);
+
+// Runs part `part`: x bf16 bits [M, xs]; y [M, ys] as bf16 or as fp32 holding bf16 values (yf != f32).
+void run_tiles_part(const TilesPlan& p, const void* x, int64_t xs, int64_t M, void* y, int64_t ys, YFormat yf,
+                    int64_t part);
+
 }  // namespace cpu
 }  // namespace minisgl
