@@ -101,8 +101,8 @@ class PackedLinear(nn.Module):
         self.tiles = _ext().pack_linear_weight(w) if tiles_available(w) else None
         self.packed = None if self.tiles is not None else torch.ops.mkldnn._reorder_linear_weight(w, 1)
         self.bias = lin.bias
-        # The plain [N, K] weight too, for `linear_gemv` and `decode_layers` (shares storage with a tied embedding).
-        self.weight = w if gemv_available() else None
+        # Without tiles, the plain [N, K] weight too, for `linear_gemv` (shares storage with a tied embedding).
+        self.weight = w if self.tiles is None and gemv_available() else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tiles is not None:

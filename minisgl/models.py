@@ -341,9 +341,9 @@ class CausalLM(nn.Module):
         "A bf16 decode step that `_decode_layers` can run: up to `GEMV_MAX_ROWS` rows, or 64 over packed tiles."
         ext, rows = kernels._ext(), x.shape[0]
         if ctx.is_prefill or self.cfg.qk_norm or x.dtype != torch.bfloat16 or not hasattr(ext, 'linear_gemv'): return False
-        if self.layers[0].mlp.down_proj.weight is None or self.layers[0].mlp.down_proj.weight.dtype != torch.bfloat16:
-            return False
-        tiles = getattr(self.layers[0].mlp.down_proj, 'tiles', None) is not None   # packed by the engine (chapter 08)
+        lin = self.layers[0].mlp.down_proj
+        tiles = getattr(lin, 'tiles', None) is not None   # packed by the engine (chapter 08)
+        if not tiles and (lin.weight is None or lin.weight.dtype != torch.bfloat16): return False
         return rows <= GEMV_MAX_ROWS or (tiles and rows <= 64 and hasattr(ext, 'decode_layers'))
 
     def _decode_layers(self, x: torch.Tensor, ctx: ForwardContext):
