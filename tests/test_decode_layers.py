@@ -1,8 +1,9 @@
-"""`decode_layers` (csrc/cpu/decode.cpp): all decoder layers of a small bf16 decode step in one C++ call and one
-parallel region. It calls the same kernels in the same order as `CausalLM._decode_layers`, so its results must be
-the Python loop's bits exactly: on random models with and without biases, on the real default model, with one
-thread or two, from two Python threads at once (it releases the GIL); and a bad argument, including one only
-found inside the parallel region, must come back as a clear error."""
+"""`decode_layers` (csrc/cpu/decode.cpp): all decoder layers of a bf16 decode step in one C++ call and one parallel
+region. It calls the same kernels in the same order as `CausalLM._decode_layers`, so its results must be the
+Python loop's bits exactly: on random models with and without biases, over plain weights (the GEMV) and packed
+tiles (batches up to 64), on the real default model, with one thread or two, from two Python threads at once (it
+releases the GIL), under the overlap scheduler; and a bad argument, including one only found inside the parallel
+region, must come back as a clear error."""
 import dataclasses
 import threading
 
@@ -236,3 +237,27 @@ def test_native_over_packed_tiles(model_type, rows):
         want = m(ids, ctx.positions, dataclasses.replace(c2, fused=False, backend='torch'))   # the torch reference
     torch.testing.assert_close(native, want, atol=0.15, rtol=0.05)   # bf16: fused vs torch rounding
     assert (native.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+
+
+def test_bf16_engine_overlap_loop_same_tokens():
+    """The default model in bf16 through the real scheduler: with the overlap loop the scheduler's Python thread
+    runs while `decode_layers` (GIL released) computes the step; greedy tokens must equal the normal loop's, and
+    the KV pool must be whole afterwards."""
+    from minisgl.core import SamplingParams
+    from minisgl.engine import Engine, EngineConfig
+    from minisgl.scheduler import Scheduler, SchedulerConfig, UserMsg
+    eng = Engine(EngineConfig(dtype="bfloat16", device="cpu", max_running_reqs=8, max_seq_len=256), progress=False)
+    text = "The history of computing is a story of people trying to make machines do arithmetic faster. " * 6
+    ids = eng.tokenizer(text)["input_ids"]
+    prompts = [ids[3 * i: 3 * i + n] for i, n in enumerate((1, 5, 17, 40, 64, 9, 100))]
+    outs = []
+    for overlap in (False, True):
+        sched = Scheduler(eng, SchedulerConfig(max_running_reqs=8, prefill_budget=64, overlap=overlap))
+        for i, p in enumerate(prompts):
+            sched.submit(UserMsg(i, p, SamplingParams(max_tokens=24, ignore_eos=True)))
+        res = sched.run_until_idle()
+        sched.check_integrity()   # every page back in the free list or the prefix cache
+        sched.close()
+        outs.append([[o.token_id for o in res[i] if o.token_id is not None] for i in range(len(prompts))])
+        assert all(len(o) == 24 for o in outs[-1])
+    assert outs[0] == outs[1]
