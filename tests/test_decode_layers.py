@@ -261,3 +261,44 @@ def test_bf16_engine_overlap_loop_same_tokens():
         outs.append([[o.token_id for o in res[i] if o.token_id is not None] for i in range(len(prompts))])
         assert all(len(o) == 24 for o in outs[-1])
     assert outs[0] == outs[1]
+
+
+@needs_tiles
+def test_engine_without_tiles_same_greedy_tokens():
+    """A CPU without AVX512-BF16 (simulated with MINISGL_CPU_ISA=avx512, in a subprocess): no tiles, the engine
+    falls back to oneDNN's packing and the GEMV. Greedy bf16 decoding of the default model must agree with the
+    tiled engine token for token, except where the two part at a near tie (the kernels round differently):
+    there each run's pick must be the other's runner-up, within 0.2 in log-probability."""
+    import json
+    import os
+    import subprocess
+    import sys
+    code = r'''
+import json
+import torch
+from minisgl import _C
+from minisgl.core import SamplingParams
+from minisgl.llm import LLM
+llm = LLM(dtype="bfloat16", max_seq_len=128)
+lin = llm.engine.model.layers[0].mlp.down_proj
+outs = llm.generate(["The capital of France is", "List three colors:", "def fib(n):", "Once upon a time"],
+                    SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=True, top_logprobs=3), use_tqdm=False)
+print(json.dumps({"tiles": _C.linear_packed_available() and lin.tiles is not None,
+                  "tokens": [o.token_ids for o in outs], "top": [o.outputs[0].top_logprobs for o in outs]}))
+'''
+    runs = {}
+    for cap in ("avx512", ""):
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "MINISGL_CPU_ISA": cap})
+        assert r.returncode == 0, r.stderr[-2000:]
+        runs[cap] = json.loads(r.stdout.strip().splitlines()[-1])
+    assert runs[""]["tiles"] and not runs["avx512"]["tiles"]
+    a, b = runs["avx512"], runs[""]
+    for ta, tb, pa, pb in zip(a["tokens"], b["tokens"], a["top"], b["top"]):
+        assert len(ta) == len(tb) == 12
+        diff = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), None)
+        if diff is None: continue
+        (a1, la), (b1, lb) = pa[diff][0], pb[diff][0]   # each run's pick (greedy: its best)
+        near_a, near_b = dict(pa[diff]), dict(pb[diff])
+        assert b1 in near_a and la - near_a[b1] < 0.2, (diff, pa[diff], pb[diff])
+        assert a1 in near_b and lb - near_b[a1] < 0.2, (diff, pa[diff], pb[diff])

@@ -17,6 +17,8 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <string>
 
 #include "../ops.h"
 #include "gemv.h"
@@ -39,6 +41,9 @@ bool has_bf16_dot() {
 #ifdef MINISGL_GEMM_X86
   static const bool ok = [] {
     __builtin_cpu_init();
+    // MINISGL_CPU_ISA=avx512|avx2|baseline caps the kernels below AVX512-BF16 (as for the GEMV and attention)
+    const char* cap = std::getenv("MINISGL_CPU_ISA");
+    if (cap && *cap && std::string(cap) != "avx512bf16") return false;
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512bf16");
   }();
