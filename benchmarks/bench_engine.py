@@ -182,7 +182,6 @@ def main():
             hf = AutoModelForCausalLM.from_pretrained(engine.model_dir, dtype=engine.dtype).eval()
             hf.generation_config.eos_token_id = None      # like ignore_eos: every run has the same length
         weight_bytes = model_bytes(engine.model.cfg, engine.dtype.itemsize)
-        bound = bw * 1e9 / weight_bytes
         ours_run(engine, timer, prompts_of(tok, 2, 16), 4, 1 << 16)       # warm-up
         for b in batches:
             ps = prompts_of(tok, b, args.prompt_len)

@@ -99,7 +99,7 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = lin.in_features, lin.out_features
         w = lin.weight.detach()
         self.tiles = _ext().pack_linear_weight(w) if tiles_available(w) else None
-        self.packed = None if self.tiles is not None else torch.ops.mkldnn._reorder_linear_weight(w, 1)
+        self.onednn = None if self.tiles is not None else torch.ops.mkldnn._reorder_linear_weight(w, 1)
         self.bias = lin.bias
         # Without tiles, the plain [N, K] weight too, for `linear_gemv` (shares storage with a tied embedding).
         self.weight = w if self.tiles is None and gemv_available() else None
@@ -110,7 +110,7 @@ class PackedLinear(nn.Module):
             return y.view(*x.shape[:-1], self.out_features)
         if self.weight is not None and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS:
             return _ext().linear_gemv(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, 'none', [], '')
+        return torch.ops.mkldnn._linear_pointwise(x, self.onednn, self.bias, 'none', [], '')
 
 def can_pack_linears(device: torch.device, dtype: torch.dtype) -> bool:
     "Prepacking pays for bf16 on a CPU with oneDNN (fp32 keeps MKL, whose results the HF tests match)."

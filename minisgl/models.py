@@ -324,7 +324,8 @@ class CausalLM(nn.Module):
         fused = self.can_fuse(x, ctx) if ctx.fused is None else ctx.fused
         rope = None if fused and not self.cfg.qk_norm else self.rotary.lookup(positions)   # fused: C++ looks up
         ctx = dataclasses.replace(ctx, fused=fused, positions=positions)
-        if fused and self._gemv_decode(x, ctx):
+        direct = fused and self._direct_decode(x, ctx)
+        if direct:
             if not hasattr(kernels._ext(), 'decode_layers'): x, residual = self._decode_layers(x, ctx)
             elif logits_idx is None:
                 return self._decode_layers_native(x, ctx, head=True)   # on to the logits, in the same call
@@ -334,10 +335,10 @@ class CausalLM(nn.Module):
                 x, residual = layer(x, residual, rope, self.rotary, ctx)
         if logits_idx is not None: x, residual = x[logits_idx], residual[logits_idx]
         x, _ = self.norm(x, residual, fused=fused)
-        if fused and self._gemv_decode(x, ctx): return _decode_linear(self.lm_head, x).float()   # as decode_layers
+        if direct: return _decode_linear(self.lm_head, x).float()   # the kernel decode_layers would use
         return self.lm_head(x).float()
 
-    def _gemv_decode(self, x: torch.Tensor, ctx: ForwardContext) -> bool:
+    def _direct_decode(self, x: torch.Tensor, ctx: ForwardContext) -> bool:
         "A bf16 decode step that `_decode_layers` can run: up to `GEMV_MAX_ROWS` rows, or 64 over packed tiles."
         ext, rows = kernels._ext(), x.shape[0]
         if ctx.is_prefill or self.cfg.qk_norm or x.dtype != torch.bfloat16 or not hasattr(ext, 'linear_gemv'): return False

@@ -227,7 +227,7 @@ def test_native_over_packed_tiles(model_type, rows):
     pack_linears(m)
     assert m.layers[0].mlp.down_proj.tiles is not None
     x, ctx = step_inputs(m, rows, slots=8 * rows + 64)
-    assert m._gemv_decode(x, ctx)
+    assert m._direct_decode(x, ctx)
     assert_same(m, x, ctx)
     # and the whole forward, through the LM head: the native call equals the Python loop's logits
     with torch.inference_mode():

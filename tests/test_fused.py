@@ -157,6 +157,6 @@ def test_decode_layers_used_for_bf16_decode():
     m = _tiny("llama", torch.bfloat16)
     x = torch.zeros(1, 64, dtype=torch.bfloat16)
     ctx = ForwardContext(False, None, None, None, None, None, [], fused=True)
-    assert m._gemv_decode(x, ctx) == hasattr(EXT, "linear_gemv")
-    assert not m._gemv_decode(torch.zeros(8, 64, dtype=torch.bfloat16), ctx)   # too many rows for the GEMV
-    assert not m._gemv_decode(x.float(), ctx)
+    assert m._direct_decode(x, ctx) == hasattr(EXT, "linear_gemv")
+    assert not m._direct_decode(torch.zeros(8, 64, dtype=torch.bfloat16), ctx)   # too many rows for the GEMV
+    assert not m._direct_decode(x.float(), ctx)

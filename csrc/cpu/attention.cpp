@@ -533,7 +533,6 @@ void DecodeAttentionPlan::bind(const at::Tensor& k_cache, const at::Tensor& v_ca
 
 int64_t DecodeAttentionPlan::num_tasks() const { return static_cast<int64_t>(impl_->tasks.size()); }
 int64_t DecodeAttentionPlan::num_split_pairs() const { return static_cast<int64_t>(impl_->split_pairs.size()); }
-int64_t DecodeAttentionPlan::threads() const { return static_cast<int64_t>(impl_->scratch.size()); }
 
 void DecodeAttentionPlan::run_task(int64_t t, int64_t thread) { impl_->task(t, *impl_->scratch[thread]); }
 

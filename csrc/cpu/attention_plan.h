@@ -25,12 +25,11 @@ class DecodeAttentionPlan {
   void run(const at::Tensor& k_cache, const at::Tensor& v_cache, bool parallel);
 
   // The same in pieces, for threads the caller runs (decode.cpp's region): bind the caches (one thread), then
-  // every task t once, on any threads (`thread` < threads() picks the scratch), then, after all tasks, every
+  // every task t once, on any threads (`thread`, below the plan's `threads`, picks the scratch), then, after all tasks, every
   // split pair i once. Tasks are sorted longest first.
   void bind(const at::Tensor& k_cache, const at::Tensor& v_cache);
   int64_t num_tasks() const;
   int64_t num_split_pairs() const;
-  int64_t threads() const;
   void run_task(int64_t t, int64_t thread);
   void finish_split(int64_t i, int64_t thread);
 

@@ -112,7 +112,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_cpu(
 
   // Everything that can fail is checked here, before the region (an exception must not cross it).
   std::vector<at::Tensor> biases;  // fp32 copies, alive until the end of the step
-  auto vec = [&](const c10::optional<at::Tensor>& w, const char* what, size_t l) -> const at::Tensor& {
+  auto norm_weight = [&](const c10::optional<at::Tensor>& w, const char* what, size_t l) -> const at::Tensor& {
     TORCH_CHECK(w.has_value() && w->defined() && w->device().is_cpu() && w->scalar_type() == at::kBFloat16 &&
                     w->is_contiguous() && w->dim() == 1 && w->size(0) == H,
                 fn, ": ", what, " of layer ", l, " must be a contiguous bfloat16 CPU tensor [", H, "]");
@@ -146,14 +146,11 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_cpu(
     return p;
   };
   const int64_t QKV = (Hq + 2 * Hkv) * D;
-  const auto& gu0 = weights[6];
-  TORCH_CHECK(gu0.has_value() && gu0->defined() && (gu0->dim() == 2 || gu0->dim() == 4), fn,
-              ": gate_up_proj of layer 0 is missing");
-  // gate_up's rows: from a plain weight, or from down_proj's columns (2 x intermediate) for packed ones
-  const auto& dn0 = weights[8];
-  TORCH_CHECK(dn0.has_value() && dn0->defined() && (dn0->dim() == 2 || dn0->dim() == 4), fn,
+  // gate_up's rows (2 x intermediate) from down_proj's columns: plain [H, I] or packed [ceil(H/16), I/2, 16, 2]
+  const auto& down0 = weights[8];
+  TORCH_CHECK(down0.has_value() && down0->defined() && (down0->dim() == 2 || down0->dim() == 4), fn,
               ": down_proj of layer 0 is missing");
-  const int64_t I2 = gu0->dim() == 2 ? gu0->size(0) : (dn0->dim() == 2 ? 2 * dn0->size(1) : 4 * dn0->size(1));
+  const int64_t I2 = 2 * (down0->dim() == 2 ? down0->size(1) : 2 * down0->size(1));
   TORCH_CHECK(I2 > 0 && I2 % 2 == 0, fn, ": gate_up_proj must have an even, non-zero number of rows");
   struct Layer {
     const at::Tensor *ln1, *ln2;
@@ -164,8 +161,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_cpu(
   for (size_t l = 0; l < L; ++l) {
     const size_t w = l * kPerLayer;
     Layer& ly = layers[l];
-    ly.ln1 = &vec(weights[w + 0], "input_layernorm", l);
-    ly.ln2 = &vec(weights[w + 5], "post_attention_layernorm", l);
+    ly.ln1 = &norm_weight(weights[w + 0], "input_layernorm", l);
+    ly.ln2 = &norm_weight(weights[w + 5], "post_attention_layernorm", l);
     ly.qkv = linear(weights[w + 1], weights[w + 2], QKV, H, "qkv_proj", l);
     ly.o = linear(weights[w + 3], weights[w + 4], H, Hq * D, "o_proj", l);
     ly.gate_up = linear(weights[w + 6], weights[w + 7], I2, H, "gate_up_proj", l);
@@ -204,7 +201,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_cpu(
   LinearPlan head_plan;
   at::Tensor logits;
   if (has_head) {
-    vec(final_norm, "final_norm", L);
+    norm_weight(final_norm, "final_norm", L);
     const int64_t V = lm_head->dim() == 4 ? vocab_size : lm_head->size(0);
     TORCH_CHECK(V >= 1, fn, ": a packed lm_head needs vocab_size");
     head_plan = linear(lm_head, c10::nullopt, V, H, "lm_head", L);
@@ -232,7 +229,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_cpu(
       barrier.wait(team);
     };
     // f(r0, r1) for this thread's rows (all rows on thread 0 for a small batch); true when the step failed.
-    auto rows = [&](auto&& f) {
+    auto by_rows = [&](auto&& f) {
       const int64_t per = n <= kSerialRows ? n : (n + team - 1) / team;
       const int64_t r0 = n <= kSerialRows ? (tid == 0 ? 0 : n) : std::min<int64_t>(n, tid * per);
       const int64_t r1 = std::min<int64_t>(n, r0 + per);
@@ -260,13 +257,13 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_cpu(
     for (size_t l = 0; l < L; ++l) {
       const Layer& ly = layers[l];
       DecodeAttentionPlan& plan = *attn[sliding_windows[l]];
-      if (l > 0 && rows([&](int64_t r, int64_t c) {
+      if (l > 0 && by_rows([&](int64_t r, int64_t c) {
             at::Tensor xs = x.narrow(0, r, c), rs = residual.narrow(0, r, c);
             fused_add_rms_norm_cpu(xs, rs, *ly.ln1, eps);
           }))
         break;
       matmul(ly.qkv, x, qkv);
-      if (rows([&](int64_t r, int64_t c) {
+      if (by_rows([&](int64_t r, int64_t c) {
             at::Tensor kc = k_caches[l], vc = v_caches[l], part = qkv.narrow(0, r, c);
             rope_store_kv_cpu(part, pos.narrow(0, r, c), cos, sin, kc, vc, loc.narrow(0, r, c), Hq, Hkv);
             if (r == 0) {  // one thread readies the attention of this layer
@@ -277,13 +274,13 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_cpu(
         break;
       attention(plan);
       matmul(ly.o, o, xo);
-      if (rows([&](int64_t r, int64_t c) {
+      if (by_rows([&](int64_t r, int64_t c) {
             at::Tensor xs = xo.narrow(0, r, c), rs = residual.narrow(0, r, c);
             fused_add_rms_norm_cpu(xs, rs, *ly.ln2, eps);
           }))
         break;
       matmul(ly.gate_up, xo, gu);
-      if (rows([&](int64_t r, int64_t c) {
+      if (by_rows([&](int64_t r, int64_t c) {
             at::Tensor hs = h.narrow(0, r, c);
             silu_mul_out_cpu(gu.narrow(0, r, c), hs);
           }))
@@ -291,7 +288,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_cpu(
       matmul(ly.down, h, x);
     }
     if (has_head && !failed.load(std::memory_order_relaxed)) {
-      if (!rows([&](int64_t r, int64_t c) {
+      if (!by_rows([&](int64_t r, int64_t c) {
             at::Tensor xs = x.narrow(0, r, c), rs = residual.narrow(0, r, c);
             fused_add_rms_norm_cpu(xs, rs, *final_norm, eps);
           }))

@@ -48,7 +48,7 @@ GemvPlan make_gemv_plan(const at::Tensor& weight, const float* bias, int64_t M, 
 // bf16 linear, written in one pass).
 enum class YFormat { f32, bf16, f32_bf16_rounded };
 
-// Runs part `part` of the plan. x: [M, xs] bf16 bits (x_bf16) or fp32; y: [M, ys] as `yf` says.
+// Runs part `part` of the plan. x: [M, xs] bf16 bits (x_bf16) or contiguous fp32 (xs == K); y: [M, ys] as `yf` says.
 // A bf16 x on a plan that reads fp32 is converted into a per-thread buffer first.
 void run_gemv_part(const GemvPlan& p, const void* x, int64_t xs, bool x_bf16, void* y, int64_t ys, YFormat yf,
                    int64_t part);

@@ -341,8 +341,7 @@ void run_gemv_part(const GemvPlan& p, const void* x, int64_t xs, bool x_bf16, vo
       a.xb = static_cast<const uint16_t*>(x) + m0 * xs;
       a.xs = xs;
     } else {
-      TORCH_INTERNAL_ASSERT(xfs == p.K, "linear_gemv: fp32 x must be contiguous");
-      a.xf = xf + m0 * p.K;
+      a.xf = xf + m0 * xfs;  // fp32 rows are contiguous (xs == K, see gemv.h)
     }
     a.ys = ys;
     if (yf == YFormat::bf16) a.yb = static_cast<uint16_t*>(y) + m0 * ys;
