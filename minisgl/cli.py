@@ -10,7 +10,7 @@ import os
 import sys
 
 # %% auto #0
-__all__ = ['HELP', 'build_parser', 'run_shell', 'main']
+__all__ = ['HELP', 'build_parser', 'run_tune', 'run_shell', 'main']
 
 # %% ../nbs/13_cli.ipynb #8a946226
 def _add_engine_options(p: argparse.ArgumentParser) -> None:
@@ -33,6 +33,12 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cache", default="radix", choices=["radix", "naive"], help="prefix cache: radix shares prompt prefixes, naive does not (default: %(default)s)")
     g.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=False,
                    help="overlap scheduling: prepare the next batch while the model runs (default: off)")
+    g.add_argument("--kernels", default="auto", choices=["auto", "measure", "gemv", "tiles", "onednn", "torch"],
+                   help="CPU bf16 matmul kernels: auto measures a plan once per machine and keeps it (see `minisgl tune`), "
+                        "measure measures anew, a kernel name forces it (default: %(default)s)")
+    g.add_argument("--kernel-layouts", type=int, default=2, choices=[1, 2, 3], metavar="N",
+                   help="weight layouts a linear may keep: 1 holds one copy of the weights, 2 lets decode and prefill "
+                        "each take their fastest kernel (default: %(default)s)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="(default: %(default)s)")
 
 
@@ -75,7 +81,31 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--system", default=None, metavar="TEXT", help="a system prompt")
     _add_engine_options(sh)
+    t = sub.add_parser("tune", help="measure the CPU matmul kernels for a model and show the plan",
+                       description="Time every CPU matmul kernel (GEMV, packed tiles, oneDNN, torch) for each weight shape "
+                                   "of the model and each batch size, keep the fastest per shape and size, and save the plan "
+                                   "where `minisgl serve` and `LLM` read it. The engine does this by itself on its first start.")
+    t.add_argument("--show", action="store_true", help="print the saved plan (measuring only if there is none)")
+    t.add_argument("--model", default=None, metavar="PATH", help="model directory or .gguf file (default: the embedded model)")
+    t.add_argument("--max-running-requests", type=int, default=32, metavar="N", help="the batch sizes to plan for (default: %(default)s)")
+    t.add_argument("--kernel-layouts", type=int, default=2, choices=[1, 2, 3], metavar="N", help="(default: %(default)s)")
     return p
+
+# %% ../nbs/13_cli.ipynb #edffee2a
+def run_tune(ns: argparse.Namespace, out=sys.stdout) -> int:
+    "`minisgl tune`: measure the kernel plan anew (or `--show` the saved one) and print it."
+    from minisgl.engine import model_linear_specs
+    from minisgl.linear import cpu_signature, kernel_plan, plan_cache_file
+    specs = model_linear_specs(ns.model, ns.max_running_requests)
+    if not ns.show: print("measuring (a few seconds)...", file=sys.stderr, flush=True)
+    plan = kernel_plan(specs, "auto" if ns.show else "measure", ns.kernel_layouts)
+    sig = cpu_signature()
+    print(f"kernel plan for {ns.model or 'the default model'} on {sig['cpu']} ({sig['threads']} threads, torch {sig['torch']}), "
+          f"{'measured now' if plan.source == 'measured' else 'from the cache'} ({plan.seconds:.1f} s to measure), "
+          f"kept in {plan_cache_file(specs)}", file=out)
+    print("each cell: the kernel picked for up to that many rows, and how much faster it was than the next best\n", file=out)
+    print(plan.table(), file=out)
+    return 0
 
 # %% ../nbs/13_cli.ipynb #3a3316ff
 HELP = "commands: /reset forgets the conversation, /exit quits (or Ctrl-D); anything else is sent to the model"
@@ -117,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     if ns.command is None: parser.print_help(); return 0
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
+        if ns.command == "tune": return run_tune(ns)
         if ns.command == "serve":
             from minisgl.server import ServerArgs, serve
             args = ServerArgs(**_engine_kwargs(ns), host=ns.host, port=ns.port, max_queued_requests=ns.max_queued_requests,

@@ -4,6 +4,7 @@
 
 # %% ../nbs/08_engine.ipynb #aff68f54
 from __future__ import annotations
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,14 +15,15 @@ from fastcore.basics import patch
 from .core import Batch, ForwardOutput, SamplingParams
 from .kernels import _ext
 from .kvcache import KVPool
-from .linear import GEMV_MAX_ROWS, gemv_available
-from .models import CausalLM, ForwardContext
+from .linear import KERNELS, LAYOUT, KernelPlan, PackedLinear, can_pack_linears, kernel_plan, linear_specs, pack_linears
+from .models import CausalLM, ForwardContext, ModelConfig
 from .sampling import SamplingBatch, sample
-from .weights import eos_token_ids, load_model, load_tokenizer, resolve_model
+from .weights import eos_token_ids, load_hf_config, load_model, load_tokenizer, resolve_model
+
+logger = logging.getLogger('minisgl.engine')
 
 # %% auto #0
-__all__ = ['EngineConfig', 'cpu_has_fast_bf16', 'free_memory', 'tiles_available', 'PackedLinear', 'can_pack_linears',
-           'pack_linears', 'Engine']
+__all__ = ['logger', 'EngineConfig', 'cpu_has_fast_bf16', 'free_memory', 'Engine', 'model_linear_specs']
 
 # %% ../nbs/08_engine.ipynb #2a257558
 _DTYPES = {'float32': torch.float32, 'fp32': torch.float32, 'bfloat16': torch.bfloat16, 'bf16': torch.bfloat16,
@@ -40,7 +42,8 @@ class EngineConfig:
     max_seq_len: int | None = None  # context length; None: the model's max_position_embeddings
     attention_backend: str | None = None   # None: by device ('cpu' C++ / 'cuda' / 'triton' / 'torch')
     num_threads: int | None = None  # CPU threads for torch; None: torch's default (physical cores)
-    pack_weights: bool | None = None   # CPU bf16: prepack linear weights for oneDNN; None = when it applies
+    kernels: str = 'auto'           # CPU bf16 matmuls: 'auto' (a plan measured once per machine, chapter 04c), 'measure' (anew), or a kernel to force
+    kernel_layouts: int = 2         # weight layouts a linear may keep (1: one copy of the weights; 2: decode and prefill each their fastest)
 
     def __post_init__(self):
         def bad(name, msg): raise ValueError(f'{name}: {msg}')
@@ -54,6 +57,10 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and not (isinstance(v, int) and v >= 1): bad(name, f'must be None or an int >= 1, got {v!r}')
         if not (0 < self.mem_fraction <= 1): bad('mem_fraction', f'must be in (0, 1], got {self.mem_fraction!r}')
+        if self.kernels not in ('auto', 'measure', *KERNELS):
+            bad('kernels', f"must be 'auto', 'measure' or one of {', '.join(KERNELS)}, got {self.kernels!r}")
+        if not (isinstance(self.kernel_layouts, int) and 1 <= self.kernel_layouts <= 3):
+            bad('kernel_layouts', f'must be 1, 2 or 3, got {self.kernel_layouts!r}')
         if self.attention_backend not in (None, 'cpu', 'cuda', 'triton', 'torch'):
             bad('attention_backend', f"must be None, 'cpu', 'cuda', 'triton' or 'torch', got {self.attention_backend!r}")
 
@@ -85,45 +92,6 @@ def free_memory(device: torch.device) -> int:
     except OSError: pass
     return 4 << 30
 
-# %% ../nbs/08_engine.ipynb #277e87f7
-def tiles_available(weight: torch.Tensor) -> bool:
-    "Whether `linear_packed` (csrc/cpu/gemm_bf16.cpp, AVX512-BF16) can take this weight."
-    ext = _ext()
-    return (ext is not None and hasattr(ext, 'linear_packed') and ext.linear_packed_available()
-            and weight.dtype == torch.bfloat16 and weight.device.type == 'cpu' and weight.shape[1] % 2 == 0)
-
-class PackedLinear(nn.Module):
-    "An `nn.Linear` whose bf16 weight is repacked once for the CPU: our tiles where `linear_packed` runs, else oneDNN's."
-    def __init__(self, lin: nn.Linear):
-        super().__init__()
-        self.in_features, self.out_features = lin.in_features, lin.out_features
-        w = lin.weight.detach()
-        self.tiles = _ext().pack_linear_weight(w) if tiles_available(w) else None
-        self.onednn = None if self.tiles is not None else torch.ops.mkldnn._reorder_linear_weight(w, 1)
-        self.bias = lin.bias
-        # Without tiles, the plain [N, K] weight too, for `linear_gemv` (shares storage with a tied embedding).
-        self.weight = w if self.tiles is None and gemv_available() else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tiles is not None:
-            y = _ext().linear_packed(x.reshape(-1, self.in_features), self.tiles, self.out_features, self.bias)
-            return y.view(*x.shape[:-1], self.out_features)
-        if self.weight is not None and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS:
-            return _ext().linear_gemv(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.onednn, self.bias, 'none', [], '')
-
-def can_pack_linears(device: torch.device, dtype: torch.dtype) -> bool:
-    "Prepacking pays for bf16 on a CPU with oneDNN (fp32 keeps MKL, whose results the HF tests match)."
-    return (device.type == 'cpu' and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, '_linear_pointwise'))
-
-def pack_linears(model: nn.Module) -> nn.Module:
-    "Replace every `nn.Linear` in `model` by a `PackedLinear` (in place)."
-    for mod in list(model.modules()):
-        for name, child in list(mod.named_children()):
-            if isinstance(child, nn.Linear): setattr(mod, name, PackedLinear(child))
-    return model
-
 # %% ../nbs/08_engine.ipynb #9e7e0d36
 class Engine:
     "A model, its KV pool and a sampler behind the scheduler's engine interface."
@@ -145,9 +113,7 @@ class Engine:
                               self.dtype, self.device)
         self.kv_caches = [(self.kv_pool.k_cache(i), self.kv_pool.v_cache(i)) for i in range(cfg.num_layers)]
         self.backend = config.attention_backend
-        pack = config.pack_weights
-        if pack is None: pack = can_pack_linears(self.device, self.dtype)
-        if pack: pack_linears(self.model)
+        self.kernel_plan = self._plan_kernels() if can_pack_linears(self.device, self.dtype) else None
 
 # %% ../nbs/08_engine.ipynb #84b007d0
 @patch
@@ -169,6 +135,31 @@ def _pages_that_fit(self: Engine) -> int:
 def __repr__(self: Engine):
     return (f'Engine({self.model_dir.name}, {self.model.cfg.model_type}, {self.dtype}, {self.device}, '
             f'{self.num_pages} pages x {self.page_size} tokens, max_seq_len={self.max_seq_len})')
+
+# %% ../nbs/08_engine.ipynb #277e87f7
+@patch
+def _plan_kernels(self: Engine) -> KernelPlan:
+    "Read or measure the kernel plan of this model's linears, make them follow it, and log it (with its memory cost)."
+    c = self.config
+    plan = kernel_plan(linear_specs(self.model, c.max_running_reqs), c.kernels, c.kernel_layouts)
+    pack_linears(self.model, plan)
+    extra, embed = 0, self.model.embed_tokens.weight.data_ptr()   # bytes of weight copies beyond one per linear
+    for m in self.model.modules():
+        if isinstance(m, PackedLinear):
+            kept = [t for t in (m.weight, m.tiles, m.onednn) if t is not None]
+            if m.weight is not None and m.weight.data_ptr() == embed: kept.pop(0)   # a tied head's: the embedding's
+            extra += sum(t.numel() * t.element_size() for t in sorted(kept, key=lambda t: t.numel())[:-1])
+    logger.info('kernel plan (%s), %d MB of second weight layouts (kernel_layouts=1 keeps one):\n%s',
+                plan.source, extra >> 20, plan.table())
+    self.kernel_extra_bytes = extra
+    return plan
+
+# %% ../nbs/08_engine.ipynb #736b3146
+def model_linear_specs(model: str | None = None, max_running_reqs: int = 32) -> dict:
+    "The `LinearSpec`s of a model (HF directory, .gguf, None: the default) from its config alone: no weights are read."
+    cfg = ModelConfig.from_hf(load_hf_config(resolve_model(model, progress=False)))
+    with torch.device('meta'): m = CausalLM(cfg, max_seq_len=16)
+    return linear_specs(m, max_running_reqs)
 
 # %% ../nbs/08_engine.ipynb #9dc67b92
 def _plain_greedy(p: SamplingParams) -> bool:

@@ -34,6 +34,8 @@ class EngineArgs:
     prefill_budget: int = 2048          # tokens per prefill batch (longer prompts are chunked)
     cache: str = "radix"                # radix | naive prefix cache
     overlap: bool = False               # overlap scheduling (CPU work of round k+1 during forward k)
+    kernels: str = "auto"               # CPU bf16 matmuls: auto (measured plan, cached) | measure | gemv | tiles | onednn | torch
+    kernel_layouts: int = 2             # weight layouts a linear may keep (1: one copy of the weights)
     engine: str = "model"               # model | toy
 
     def __post_init__(self):
@@ -47,6 +49,9 @@ class EngineArgs:
         if self.kv_memory_gb is not None and self.kv_memory_gb <= 0: bad("kv_memory_gb", "must be > 0")
         if self.cache not in ("radix", "naive"): bad("cache", "must be 'radix' or 'naive'")
         if self.engine not in ("model", "toy"): bad("engine", "must be 'model' or 'toy'")
+        if self.kernels not in ("auto", "measure", "gemv", "tiles", "onednn", "torch"):
+            bad("kernels", "must be auto, measure, gemv, tiles, onednn or torch")
+        if self.kernel_layouts not in (1, 2, 3) or isinstance(self.kernel_layouts, bool): bad("kernel_layouts", "must be 1, 2 or 3")
         if self.model is not None and not Path(self.model).expanduser().exists(): bad("model", "no such file or directory")
 
 # %% ../nbs/11_llm.ipynb #c487ff4b
@@ -77,7 +82,7 @@ def make_engine(args: EngineArgs, tokenizer=None):
     from minisgl.engine import Engine, EngineConfig
     cfg = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, page_size=args.page_size,
                        num_pages=args.num_pages or _pages_for_memory(args), max_seq_len=args.max_seq_len,
-                       max_running_reqs=args.max_running_requests)
+                       max_running_reqs=args.max_running_requests, kernels=args.kernels, kernel_layouts=args.kernel_layouts)
     return Engine(cfg)
 
 # %% ../nbs/11_llm.ipynb #19323dbe

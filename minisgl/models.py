@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from fastcore.basics import patch
 
 from . import kernels
-from .linear import GEMV_MAX_ROWS
+from .linear import GEMV_MAX_ROWS, NATIVE_KERNELS
 
 # %% auto #0
 __all__ = ['SUPPORTED_MODEL_TYPES', 'ModelConfig', 'rope_inv_freq', 'RotaryEmbedding', 'ForwardContext', 'RMSNorm', 'Attention',
@@ -294,11 +294,21 @@ class DecoderLayer(nn.Module):
         return self.mlp(x, fused=f), residual
 
 # %% ../nbs/05_models.ipynb #5f227f46
+def _linear_kernel(lin: nn.Module, rows: int) -> str | None:
+    "The kernel `lin` runs for `rows` rows: its plan's pick (a `PackedLinear`, chapter 04c), the GEMV for a plain bf16 `nn.Linear` of up to `GEMV_MAX_ROWS`, else None."
+    if hasattr(lin, 'kernel_for'): return lin.kernel_for(rows)
+    return 'gemv' if rows <= GEMV_MAX_ROWS and lin.weight is not None and lin.weight.dtype == torch.bfloat16 else None
+
+def _native_weight(lin: nn.Module, rows: int) -> torch.Tensor:
+    "The weight a fused decode step hands its kernel: the packed tiles where the plan picked them, else the plain weight."
+    return lin.tiles if _linear_kernel(lin, rows) == 'tiles' else lin.weight
+
 def _decode_linear(lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    "The kernel a fused decode step runs for `lin`: its packed tiles where the engine made them (chapter 08), else the GEMV."
-    ext, tiles = kernels._ext(), getattr(lin, 'tiles', None)
-    if tiles is not None: return ext.linear_packed(x, tiles, lin.out_features, lin.bias)
-    return ext.linear_gemv(x, lin.weight, lin.bias)
+    "`lin(x)` in a fused decode step, by the kernel `_linear_kernel` names (a native one) or by the module."
+    kern = _linear_kernel(lin, x.shape[0])
+    if kern == 'tiles': return kernels._ext().linear_packed(x, lin.tiles, lin.out_features, lin.bias)
+    if kern == 'gemv': return kernels._ext().linear_gemv(x, lin.weight, lin.bias)
+    return lin(x)
 
 class CausalLM(nn.Module):
     "A Llama / Qwen2 / Qwen3 decoder-only LM whose attention runs over the paged KV pool."
@@ -326,8 +336,9 @@ class CausalLM(nn.Module):
         ctx = dataclasses.replace(ctx, fused=fused, positions=positions)
         direct = fused and self._direct_decode(x, ctx)
         if direct:
+            head = logits_idx is None and _linear_kernel(self.lm_head, x.shape[0]) in NATIVE_KERNELS
             if not hasattr(kernels._ext(), 'decode_layers'): x, residual = self._decode_layers(x, ctx)
-            elif logits_idx is None:
+            elif head:
                 return self._decode_layers_native(x, ctx, head=True)   # on to the logits, in the same call
             else: x, residual = self._decode_layers_native(x, ctx)
         else:
@@ -335,17 +346,16 @@ class CausalLM(nn.Module):
                 x, residual = layer(x, residual, rope, self.rotary, ctx)
         if logits_idx is not None: x, residual = x[logits_idx], residual[logits_idx]
         x, _ = self.norm(x, residual, fused=fused)
-        if direct: return _decode_linear(self.lm_head, x).float()   # the kernel decode_layers would use
+        if direct: return _decode_linear(self.lm_head, x).float()   # the kernel decode_layers would use (or the plan's)
         return self.lm_head(x).float()
 
     def _direct_decode(self, x: torch.Tensor, ctx: ForwardContext) -> bool:
-        "A bf16 decode step that `_decode_layers` can run: up to `GEMV_MAX_ROWS` rows, or 64 over packed tiles."
-        ext, rows = kernels._ext(), x.shape[0]
+        "A bf16 decode step that `_decode_layers` can run: every layer matmul's kernel at this batch size is a native one."
+        ext, rows, l0 = kernels._ext(), x.shape[0], self.layers[0]
         if ctx.is_prefill or self.cfg.qk_norm or x.dtype != torch.bfloat16 or not hasattr(ext, 'linear_gemv'): return False
-        lin = self.layers[0].mlp.down_proj
-        tiles = getattr(lin, 'tiles', None) is not None   # packed by the engine (chapter 08)
-        if not tiles and (lin.weight is None or lin.weight.dtype != torch.bfloat16): return False
-        return rows <= GEMV_MAX_ROWS or (tiles and rows <= 64 and hasattr(ext, 'decode_layers'))
+        lins = (l0.self_attn.qkv_proj, l0.self_attn.o_proj, l0.mlp.gate_up_proj, l0.mlp.down_proj)   # every layer: same shapes
+        if any(_linear_kernel(m, rows) not in NATIVE_KERNELS for m in lins): return False
+        return rows <= GEMV_MAX_ROWS or (rows <= 64 and hasattr(ext, 'decode_layers'))
 
     def _decode_layers(self, x: torch.Tensor, ctx: ForwardContext):
         "All decoder layers of a small decode step as direct C++ calls: the same ops as `DecoderLayer`, minus the module calls."
@@ -372,19 +382,24 @@ class CausalLM(nn.Module):
 
     def _decode_layers_native(self, x: torch.Tensor, ctx: ForwardContext, head: bool = False):
         "`_decode_layers` as one C++ call (`csrc/cpu/decode.cpp`); `head`: go on through the final norm and LM head to the logits."
-        if getattr(self, '_native_weights', None) is None:   # the parameters (or packed tiles) themselves, gathered once
-            lin = lambda m: m.tiles if getattr(m, 'tiles', None) is not None else m.weight
-            self._native_weights = [w for l in self.layers for w in (
+        rows, l0 = x.shape[0], self.layers[0]
+        kinds = tuple(_linear_kernel(m, rows) for m in (l0.self_attn.qkv_proj, l0.self_attn.o_proj, l0.mlp.gate_up_proj,
+                                                         l0.mlp.down_proj, self.lm_head))
+        cache = self.__dict__.setdefault('_native_weights', {})   # per choice of kernels: the parameters (or tiles) themselves
+        if kinds not in cache:
+            lin = lambda m: _native_weight(m, rows)
+            cache[kinds] = ([w for l in self.layers for w in (
                 l.input_layernorm.weight, lin(l.self_attn.qkv_proj), l.self_attn.qkv_proj.bias,
                 lin(l.self_attn.o_proj), l.self_attn.o_proj.bias, l.post_attention_layernorm.weight,
-                lin(l.mlp.gate_up_proj), l.mlp.gate_up_proj.bias, lin(l.mlp.down_proj), l.mlp.down_proj.bias)]
-            self._native_head = lin(self.lm_head)
+                lin(l.mlp.gate_up_proj), l.mlp.gate_up_proj.bias, lin(l.mlp.down_proj), l.mlp.down_proj.bias)],
+                lin(self.lm_head) if kinds[-1] in NATIVE_KERNELS else None)
+        weights, native_head = cache[kinds]
         att = self.layers[0].self_attn
         out = kernels._ext().decode_layers(
-            x, self._native_weights, self.cfg.rms_norm_eps, [k for k, _ in ctx.kv_caches], [v for _, v in ctx.kv_caches],
+            x, weights, self.cfg.rms_norm_eps, [k for k, _ in ctx.kv_caches], [v for _, v in ctx.kv_caches],
             self.rotary.cos, self.rotary.sin, ctx.positions, ctx.out_loc, ctx.page_table, ctx.table_idx, ctx.seq_lens,
             att.num_heads, att.num_kv_heads, att.scale, [l.self_attn.sliding_window for l in self.layers],
-            self.norm.weight if head else None, self._native_head if head else None, self.lm_head.out_features)
+            self.norm.weight if head else None, native_head if head else None, self.lm_head.out_features)
         return out[0] if head else out
 
     def can_fuse(self, x: torch.Tensor, ctx: ForwardContext) -> bool:

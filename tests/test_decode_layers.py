@@ -133,7 +133,8 @@ def args_of(m, x, ctx):
     m._decode_layers_native(x.clone(), clone_ctx(ctx))   # fills m._native_weights
     x, ctx = x.clone(), clone_ctx(ctx)
     a = m.layers[0].self_attn
-    return dict(x=x, weights=list(m._native_weights), eps=m.cfg.rms_norm_eps,
+    (weights, _), = m._native_weights.values()   # one choice of kernels: the plain weights (the GEMV)
+    return dict(x=x, weights=list(weights), eps=m.cfg.rms_norm_eps,
                 k_caches=[k for k, _ in ctx.kv_caches], v_caches=[v for _, v in ctx.kv_caches],
                 cos=m.rotary.cos, sin=m.rotary.sin, positions=ctx.positions, out_loc=ctx.out_loc,
                 page_table=ctx.page_table, table_idx=ctx.table_idx, seq_lens=ctx.seq_lens,
@@ -219,13 +220,13 @@ needs_tiles = pytest.mark.skipif(EXT is None or not hasattr(EXT, "linear_packed"
 @pytest.mark.parametrize("rows", [1, 3, 5, 8, 33, 64])
 def test_native_over_packed_tiles(model_type, rows):
     "The engine's packed projections (chapter 08): batches up to 64 rows, row-split kernels, attention tasks on all threads."
-    from minisgl.engine import pack_linears
+    from minisgl.linear import forced_plan, linear_specs, pack_linears
     m = tiny(model_type, seed=rows)
     with torch.no_grad():
         for n, p in m.named_parameters():
             if n.endswith("bias"): p.normal_()
-    pack_linears(m)
-    assert m.layers[0].mlp.down_proj.tiles is not None
+    pack_linears(m, forced_plan(linear_specs(m, 64), "tiles"))
+    assert m.layers[0].mlp.down_proj.tiles is not None and m.layers[0].mlp.down_proj.kernel_for(rows) == "tiles"
     x, ctx = step_inputs(m, rows, slots=8 * rows + 64)
     assert m._direct_decode(x, ctx)
     assert_same(m, x, ctx)
@@ -265,8 +266,8 @@ def test_bf16_engine_overlap_loop_same_tokens():
 
 @needs_tiles
 def test_engine_without_tiles_same_greedy_tokens():
-    """A CPU without AVX512-BF16 (simulated with MINISGL_CPU_ISA=avx512, in a subprocess): no tiles, the engine
-    falls back to oneDNN's packing and the GEMV. Greedy bf16 decoding of the default model must agree with the
+    """A CPU without AVX512-BF16 (simulated with MINISGL_CPU_ISA=avx512, in a subprocess): the measured plan
+    cannot pick the tiles, so the engine runs oneDNN, torch and the GEMV; against it the engine forced onto the tiles. Greedy bf16 decoding of the default model must agree with the
     tiled engine token for token, except where the two part at a near tie (the kernels round differently):
     there each run's pick must be the other's runner-up, within 0.2 in log-probability."""
     import json
@@ -279,7 +280,8 @@ import torch
 from minisgl import _C
 from minisgl.core import SamplingParams
 from minisgl.llm import LLM
-llm = LLM(dtype="bfloat16", max_seq_len=128)
+import os
+llm = LLM(dtype="bfloat16", max_seq_len=128, kernels="auto" if os.environ["MINISGL_CPU_ISA"] else "tiles")
 lin = llm.engine.model.layers[0].mlp.down_proj
 outs = llm.generate(["The capital of France is", "List three colors:", "def fib(n):", "Once upon a time"],
                     SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=True, top_logprobs=3), use_tqdm=False)

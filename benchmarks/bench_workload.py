@@ -1,0 +1,171 @@
+"""A mixed offline workload, minisgl against its peers in one run: 48 requests of random-token prompts of 40-300
+tokens, 64 new tokens each, greedy, EOS ignored, the default model (SmolLM2-135M-Instruct) in bf16.
+
+- minisgl: `LLM(dtype="bfloat16")` with its defaults (its kernel plan measured or read from the cache first);
+- HF transformers: `generate` over static batches (left-padded), the best of batch 16 and batch 48;
+- llama.cpp through llama-cpp-python on the same GGUF file (Q4_1: llama.cpp runs it quantized, minisgl and HF
+  de-quantize it to bf16), one request after another (its Python API decodes one sequence at a time). It is
+  optional: `--llama-python PATH` names a Python that has `llama_cpp` (kept outside the repo, e.g. built with
+  the issue's CMAKE_ARGS); without it, llama.cpp is reported as missing, with the reason.
+
+Output tok/s = generated tokens / wall time of the whole workload (load and warm-up excluded). With `--reps N`
+each system runs N times, interleaved, and the medians are reported. Writes JSON (`--out`) with the CPU model,
+flags, cores, torch version and date. On a CPU with AMX the run is repeated with oneDNN capped below AMX
+(`ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`), a fresh process with its own kernel plan.
+
+    .venv/bin/python benchmarks/bench_workload.py --llama-python /path/to/venv/bin/python --out workload.json
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+LLAMA_CODE = r"""
+import json, sys, time
+from llama_cpp import Llama
+a = json.loads(sys.argv[1])
+llm = Llama(model_path=a["gguf"], n_ctx=512, n_batch=512, n_threads=a["threads"], verbose=False)
+eos = llm.token_eos()
+def run(prompts):
+    n = 0
+    for p in prompts:
+        out = llm.create_completion(p, max_tokens=a["new"], temperature=0.0, logit_bias={eos: -1e9})
+        n += out["usage"]["completion_tokens"]
+    return n
+run([[1, 2, 3, 4]])   # warm-up
+times = []
+for prompts in a["prompts"]:
+    t = time.perf_counter(); n = run(prompts); times.append(time.perf_counter() - t)
+print(json.dumps({"tokens": n, "times": times}))
+"""
+
+
+def machine() -> dict:
+    import torch
+    model, flags = platform.processor(), []
+    try:
+        for line in open("/proc/cpuinfo"):
+            k, _, v = line.partition(":")
+            if k.strip() == "model name": model = v.strip()
+            if k.strip() == "flags": flags = sorted(f for f in v.split() if f.startswith(("avx512", "amx"))); break
+    except OSError: pass
+    return dict(cpu=model, flags=flags, cores=os.cpu_count(), threads=torch.get_num_threads(), torch=torch.__version__,
+                date=datetime.datetime.now().isoformat(timespec="seconds"),
+                caps={k: os.environ.get(k, "") for k in ("ONEDNN_MAX_CPU_ISA", "MINISGL_CPU_ISA")})
+
+
+def workload(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def run_minisgl(llm, prompts, new):
+    from minisgl.core import SamplingParams
+    sp = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
+    llm.generate(prompts[:4], sp, use_tqdm=False)   # warm-up
+    def once(prompts):
+        t = time.perf_counter(); outs = llm.generate(prompts, sp, use_tqdm=False)
+        return sum(len(o.token_ids) for o in outs), time.perf_counter() - t
+    return once
+
+
+def run_hf(model_dir, new, batch):
+    import torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    pad = 0
+    def once(prompts):
+        n, t0 = 0, time.perf_counter()
+        for i in range(0, len(prompts), batch):
+            chunk = prompts[i:i + batch]
+            width = max(map(len, chunk))
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+            with torch.inference_mode():
+                out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                                     do_sample=False, pad_token_id=pad)
+            n += (out.shape[1] - width) * len(chunk)
+        return n, time.perf_counter() - t0
+    return once
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=48)
+    ap.add_argument("--min-prompt", type=int, default=40)
+    ap.add_argument("--max-prompt", type=int, default=300)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--hf-batches", default="16,48")
+    ap.add_argument("--llama-python", default=None, metavar="PATH", help="a Python with llama_cpp installed")
+    ap.add_argument("--out", default=None, metavar="FILE.json")
+    ap.add_argument("--no-cap-run", action="store_true", help="on an AMX CPU, skip the run with oneDNN capped below AMX")
+    args = ap.parse_args()
+
+    from minisgl.llm import LLM
+    from minisgl.weights import default_gguf_path, resolve_model
+    info = machine()
+    print(f"{info['cpu']}, {info['cores']} cores, torch {info['torch']}, caps {info['caps']}; "
+          f"flags: {' '.join(info['flags'])}", flush=True)
+    model_dir = resolve_model(None, progress=False)
+    t = time.perf_counter()
+    llm = LLM(dtype="bfloat16")   # defaults; its kernel plan is measured here on a first start, else read
+    print(f"minisgl loaded in {time.perf_counter() - t:.1f} s, kernel plan: {llm.engine.kernel_plan.source}", flush=True)
+    # new prompts for every repeat (the same for every system): a repeat of the same prompts would hit minisgl's prefix cache
+    reps = [workload(args.requests, args.min_prompt, args.max_prompt, llm.engine.vocab_size, seed=r) for r in range(args.reps)]
+    mini_once = run_minisgl(llm, workload(4, args.min_prompt, args.max_prompt, llm.engine.vocab_size, seed=-1),
+                            args.new_tokens)
+    hf_onces = {b: run_hf(model_dir, args.new_tokens, int(b)) for b in args.hf_batches.split(",")}
+
+    results = {"minisgl": [], **{f"hf_batch{b}": [] for b in hf_onces}}
+    tokens = {}
+    for rep, prompts in enumerate(reps):   # interleaved: a slow moment of the machine hurts every system alike
+        n, t = mini_once(prompts); results["minisgl"].append(t); tokens["minisgl"] = n
+        for b, once in hf_onces.items():
+            n, t = once(prompts); results[f"hf_batch{b}"].append(t); tokens[f"hf_batch{b}"] = n
+        print(f"rep {rep + 1}: " + ", ".join(f"{k} {tokens[k] / v[-1]:.1f} tok/s" for k, v in results.items()), flush=True)
+
+    missing = {}
+    if args.llama_python:
+        a = dict(gguf=str(default_gguf_path()), threads=info["threads"], new=args.new_tokens, prompts=reps, reps=args.reps)
+        r = subprocess.run([args.llama_python, "-c", LLAMA_CODE, json.dumps(a)], capture_output=True, text=True)
+        if r.returncode == 0:
+            d = json.loads(r.stdout.strip().splitlines()[-1])
+            results["llama.cpp"], tokens["llama.cpp"] = d["times"], d["tokens"]
+        else: missing["llama.cpp"] = f"llama-cpp-python failed: {r.stderr.strip()[-500:]}"
+    else: missing["llama.cpp"] = "not run: give --llama-python (a Python with llama-cpp-python built for this CPU)"
+
+    tps = {k: tokens[k] / statistics.median(v) for k, v in results.items()}
+    hf_best = max(v for k, v in tps.items() if k.startswith("hf_"))
+    print(f"\n{args.requests} requests, prompts {args.min_prompt}-{args.max_prompt} tokens, {args.new_tokens} new each, "
+          f"medians of {args.reps}:")
+    print("| system | output tok/s | minisgl / system |\n|---|---:|---:|")
+    for k, v in tps.items(): print(f"| {k} | {v:.1f} | {tps['minisgl'] / v:.2f}x |")
+    for k, why in missing.items(): print(f"| {k} | missing: {why} | |")
+    summary = dict(machine=info, workload=vars(args), tokens_per_s=tps, seconds=results, missing=missing,
+                   ratio_vs_hf_best=tps["minisgl"] / hf_best,
+                   ratio_vs_llama_cpp=tps["minisgl"] / tps["llama.cpp"] if "llama.cpp" in tps else None,
+                   kernel_plan=llm.engine.kernel_plan.source if llm.engine.kernel_plan else None)
+    runs = [summary]
+    if not args.no_cap_run and any(f.startswith("amx") for f in info["flags"]) and not info["caps"]["ONEDNN_MAX_CPU_ISA"]:
+        print("\nagain with oneDNN capped below AMX (ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16):", flush=True)
+        cmd = [sys.executable, __file__, *[x for x in sys.argv[1:] if x != "--no-cap-run"], "--no-cap-run"]
+        if args.out: cmd[cmd.index("--out") + 1] = args.out + ".capped.json"
+        subprocess.run(cmd, env={**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}, check=True)
+    if args.out:
+        with open(args.out, "w") as f: json.dump(runs if len(runs) > 1 else summary, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,231 @@
+"""Kernel plans (nbs/04c_linear.ipynb): every candidate against the reference on the shapes it may be picked for;
+a forced choice of each candidate gives the default plan's greedy tokens up to near ties; the plan cache is
+read back, and a corrupt, truncated or stale file is measured anew; the layouts a linear keeps follow the plan;
+the fused decode step follows the plan's picks; `minisgl tune` prints the plan."""
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+from minisgl import kernels
+from minisgl.linear import (KERNELS, LAYOUT, ROW_BUCKETS, LinearSpec, PackedLinear, choose_kernels, forced_plan,
+                            kernel_plan, kernel_runs, linear_ref, linear_specs, pack_linears, pack_weight,
+                            plan_cache_file, run_linear)
+
+ROOT = Path(__file__).resolve().parents[1]
+EXT = kernels._ext()
+pytestmark = pytest.mark.skipif(EXT is None or not hasattr(EXT, "linear_gemv"), reason="minisgl._C not built")
+MODEL_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MINISGL_CACHE", str(tmp_path))
+    return tmp_path
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_candidate_matches_reference(kernel):
+    "Each candidate, on the default model's shapes, at the bucket sizes it may be picked for (and between them)."
+    g = torch.Generator().manual_seed(0)
+    for n, k in MODEL_SHAPES:
+        w = (torch.randn(n, k, generator=g) * k ** -0.5).bfloat16()
+        b = torch.randn(n, generator=g).bfloat16()
+        wl = pack_weight(LAYOUT[kernel], w)
+        for rows in (1, 3, 5, 8, 33, 64, 300) if n < 10000 else (1, 4, 8, 32):
+            if not kernel_runs(kernel, rows, k): continue
+            x = torch.randn(rows, k, generator=g).bfloat16()
+            y = run_linear(kernel, x, wl, n, b)
+            assert y.shape == (rows, n) and y.dtype == torch.bfloat16
+            torch.testing.assert_close(y.float(), linear_ref(x, w, b).float(), atol=0.03, rtol=0.02)
+
+
+def test_choose_kernels_bounds_layouts():
+    times = {"gemv": {1: 1.0, 8: 2.0}, "tiles": {1: 1.2, 8: 1.0, 256: 9.0}, "onednn": {1: 3.0, 8: 3.0, 256: 5.0},
+             "torch": {1: 4.0, 8: 4.0, 256: 5.1}}
+    for max_layouts in (1, 2, 3):
+        picks = choose_kernels(times, max_layouts)
+        assert [m for m, _ in picks] == [1, 8, 256]
+        assert len({LAYOUT[k] for _, k in picks}) <= max_layouts
+    # oneDNN's own layout would gain 2% at 256 rows: not worth a third copy of the weights (3% is the bar)
+    assert choose_kernels(times, 3) == [(1, "gemv"), (8, "tiles"), (256, "torch")]
+    times["torch"][256] = 6.0
+    assert choose_kernels(times, 3) == [(1, "gemv"), (8, "tiles"), (256, "onednn")]
+    assert choose_kernels(times, 2) == [(1, "tiles"), (8, "tiles"), (256, "onednn")]
+    # a free plain layout (a tied LM head's) is always there to use
+    assert choose_kernels(times, 1, free=("plain",)) == [(1, "gemv"), (8, "tiles"), (256, "tiles")][:1] + \
+        choose_kernels(times, 1, free=("plain",))[1:]
+    assert choose_kernels(times, 1, free=("plain",))[0] == (1, "gemv")
+    with pytest.raises(ValueError, match="max_layouts"): choose_kernels(times, 0)
+    with pytest.raises(ValueError, match="no timings"): choose_kernels({}, 2)
+
+
+def tiny_specs():
+    return {(48, 32): LinearSpec(2, 64), (32, 64): LinearSpec(1, 8)}
+
+
+def test_cache_round_trip_and_bad_files(cache, caplog):
+    specs = tiny_specs()
+    with caplog.at_level(logging.INFO, logger="minisgl.linear"):
+        first = kernel_plan(specs)
+    assert first.source == "measured" and "measuring the matmul kernels" in caplog.text
+    path = plan_cache_file(specs)
+    assert path.exists() and path.parent == cache / "kernel-plans"
+    again = kernel_plan(specs)
+    assert again.source.startswith("cache") and again.choices == first.choices and again.times == first.times
+    good = path.read_text()
+
+    def remeasured(text):
+        path.write_text(text)
+        plan = kernel_plan(specs)
+        assert plan.source == "measured", text[:80]
+        json.loads(path.read_text())   # replaced by a well-formed file
+        assert kernel_plan(specs).source.startswith("cache")
+
+    remeasured("not json {")                          # corrupt
+    remeasured(good[: len(good) // 2])                # truncated
+    d = json.loads(good); d["key"]["signature"]["cpu"] = "another CPU"
+    remeasured(json.dumps(d))                         # stale: measured elsewhere
+    d = json.loads(good); d["key"]["signature"]["torch"] = "0.0"
+    remeasured(json.dumps(d))                         # stale: another torch
+    d = json.loads(good); shape = next(iter(d["times"])); kern = next(iter(d["times"][shape]))
+    d["times"][shape][kern] = {m: -1.0 for m in d["times"][shape][kern]}
+    remeasured(json.dumps(d))                         # nonsense timings
+    d = json.loads(good); del d["times"][shape]
+    remeasured(json.dumps(d))                         # a shape missing
+    # 'measure' always measures; a forced kernel never reads or writes the cache
+    assert kernel_plan(specs, "measure").source == "measured"
+    path.unlink()
+    assert kernel_plan(specs, "tiles" if kernel_runs("tiles", 1) else "onednn").source.startswith("forced")
+    assert not path.exists()
+    with pytest.raises(ValueError, match="kernels"): kernel_plan(specs, "fastest")
+
+
+def test_cache_key_follows_the_isa_cap(cache):
+    "A cap on the CPU's instructions (imitating a narrower CPU) is another machine: another file, and no tiles in it."
+    code = ("import json; from minisgl.linear import LinearSpec, kernel_plan, plan_cache_file; "
+            "s = {(48, 32): LinearSpec(2, 64)}; p = kernel_plan(s); "
+            "print(json.dumps([str(plan_cache_file(s)), sorted({k for c in p.choices.values() for _, k in c}), "
+            "sorted(p.times[(48, 32)])]))")
+    out = {}
+    for cap in ("", "avx512"):
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "MINISGL_CPU_ISA": cap})
+        assert r.returncode == 0, r.stderr[-2000:]
+        out[cap] = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out[""][0] != out["avx512"][0]
+    assert "tiles" not in out["avx512"][2]   # not even a candidate there
+    if EXT.linear_packed_available(): assert "tiles" in out[""][2]
+
+
+def test_packed_linear_keeps_only_its_layouts():
+    lin = nn.Linear(64, 48).bfloat16().requires_grad_(False)
+    x = torch.randn(100, 64).bfloat16()
+    for choices in ([(8, "gemv"), (2048, "onednn")], [(2048, "onednn")], [(4, "torch"), (2048, "torch")]):
+        if not all(kernel_runs(k, 1) for _, k in choices): continue
+        pl = PackedLinear(lin, choices)
+        layouts = {LAYOUT[k] for _, k in choices}
+        assert (pl.weight is not None) == ("plain" in layouts)
+        assert (pl.onednn is not None) == ("onednn" in layouts) and pl.tiles is None
+        for rows in (1, 8, 9, 100):
+            assert pl.kernel_for(rows) == (choices[0][1] if rows <= choices[0][0] else choices[-1][1])
+            torch.testing.assert_close(pl(x[:rows]), lin(x[:rows]), atol=0.05, rtol=0.02)
+
+
+def test_specs_of_a_tied_model():
+    from minisgl.engine import model_linear_specs
+    specs = model_linear_specs(None, 32)
+    assert set(specs) == set(MODEL_SHAPES)
+    assert specs[(960, 576)] == LinearSpec(30, ROW_BUCKETS[-1], ())
+    assert specs[(49152, 576)] == LinearSpec(1, 64, ("plain",))   # tied to the embedding: the plain copy is free
+    assert model_linear_specs(None, 100)[(49152, 576)].max_rows == 100
+
+
+def tiny_model():
+    from minisgl.models import CausalLM, ModelConfig
+    cfg = ModelConfig.from_hf({'model_type': 'llama', 'vocab_size': 64, 'hidden_size': 64, 'intermediate_size': 96,
+                               'num_hidden_layers': 2, 'num_attention_heads': 4, 'num_key_value_heads': 2,
+                               'head_dim': 16, 'max_position_embeddings': 64})
+    torch.manual_seed(0)
+    return CausalLM(cfg).eval().to(torch.bfloat16)
+
+
+@pytest.mark.skipif(not hasattr(EXT, "decode_layers"), reason="decode_layers not built")
+def test_fused_decode_follows_the_plan():
+    "The one-call decode step runs exactly where every layer pick is a native kernel; oneDNN picks go layer by layer."
+    from minisgl.models import ForwardContext
+    for kernel in KERNELS:
+        m = tiny_model()
+        pack_linears(m, forced_plan(linear_specs(m, 64), kernel))
+        for rows in (1, 4, 8, 16, 64):
+            ctx = ForwardContext(False, torch.arange(rows), torch.zeros(1, 1, dtype=torch.int32),
+                                 torch.zeros(rows, dtype=torch.int32), torch.ones(rows, dtype=torch.int32),
+                                 torch.ones(rows, dtype=torch.int32), [], fused=True)
+            x = torch.zeros(rows, 64, dtype=torch.bfloat16)
+            want = kernel in ("gemv", "tiles") and kernel_runs(kernel, rows)   # else the plan fell back to oneDNN
+            assert (m.layers[0].mlp.down_proj.kernel_for(rows) in ("gemv", "tiles")) == want
+            assert m._direct_decode(x, ctx) == want, (kernel, rows)
+
+
+PROMPTS = ["The capital of France is", "List three colors:", "def fib(n):", "Once upon a time, in a land far away, " * 4]
+
+
+def test_forced_kernels_same_greedy_tokens():
+    """The default model in bf16, greedy, with the measured plan and with each candidate forced: the same tokens,
+    except where two runs part at a near tie (kernels sum in other orders); there each run's pick must be the
+    other's runner-up, within 0.2 in log-probability."""
+    from minisgl.core import SamplingParams
+    from minisgl.llm import LLM
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=True, top_logprobs=3)
+    runs = {}
+    for kernel in ("auto", *[k for k in KERNELS if kernel_runs(k, 1, 576)]):
+        llm = LLM(dtype="bfloat16", max_seq_len=256, max_running_requests=8, kernels=kernel)
+        assert llm.engine.kernel_plan is not None
+        if kernel != "auto":
+            assert llm.engine.kernel_plan.source == f"forced {kernel}"
+            picks = {k for c in llm.engine.kernel_plan.choices.values() for _, k in c}
+            assert kernel in picks
+        outs = llm.generate(PROMPTS, sp, use_tqdm=False)
+        runs[kernel] = [(o.token_ids, o.outputs[0].top_logprobs) for o in outs]
+        del llm
+    base = runs.pop("auto")
+    for kernel, outs in runs.items():
+        for (ta, pa), (tb, pb) in zip(base, outs):
+            assert len(ta) == len(tb) == 12
+            diff = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), None)
+            if diff is None: continue
+            (a1, la), (b1, lb) = pa[diff][0], pb[diff][0]
+            near_a, near_b = dict(pa[diff]), dict(pb[diff])
+            assert b1 in near_a and la - near_a[b1] < 0.2, (kernel, diff, pa[diff], pb[diff])
+            assert a1 in near_b and lb - near_b[a1] < 0.2, (kernel, diff, pa[diff], pb[diff])
+
+
+def test_engine_logs_its_plan(cache, caplog):
+    from minisgl.engine import Engine, EngineConfig
+    with caplog.at_level(logging.INFO):
+        eng = Engine(EngineConfig(dtype="bfloat16", device="cpu", max_running_reqs=4, max_seq_len=64,
+                                  kernel_layouts=1), progress=False)
+    assert "kernel plan (measured)" in caplog.text and "| rows |" in caplog.text
+    assert eng.kernel_extra_bytes == 0   # one layout per linear
+    for mod in eng.model.modules():
+        if isinstance(mod, PackedLinear):
+            kept = [t for t in (mod.weight, mod.tiles, mod.onednn) if t is not None]
+            assert len(kept) == 1 or (len(kept) == 2 and mod.weight.data_ptr() == eng.model.embed_tokens.weight.data_ptr())
+    with pytest.raises(ValueError, match="kernel_layouts"): EngineConfig(kernel_layouts=0)
+
+
+def test_tune_command(cache):
+    env = {**os.environ, "MINISGL_CACHE": str(cache)}
+    show = subprocess.run([sys.executable, "-m", "minisgl", "tune", "--show"], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=ROOT)
+    assert show.returncode == 0, show.stderr[-2000:]
+    assert "measured now" in show.stdout and "| rows |" in show.stdout and "49152 x 576" in show.stdout
+    again = subprocess.run([sys.executable, "-m", "minisgl", "tune", "--show"], capture_output=True, text=True,
+                           timeout=300, env=env, cwd=ROOT)
+    assert again.returncode == 0 and "from the cache" in again.stdout
