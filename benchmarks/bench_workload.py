@@ -1,7 +1,8 @@
 """A mixed offline workload, minisgl against its peers in one run: 48 requests of random-token prompts of 40-300
 tokens, 64 new tokens each, greedy, EOS ignored, the default model (SmolLM2-135M-Instruct) in bf16.
 
-- minisgl: `LLM(dtype="bfloat16")` with its defaults (its kernel plan measured or read from the cache first);
+- minisgl: `LLM(dtype="bfloat16")` with its defaults (mixed batches; its kernel plan measured or read from the cache
+  first), and the same engine under the tutorial's prefill-first policy (`minisgl_prefill_first`);
 - HF transformers: `generate` over static batches (left-padded), the best of batch 16 and batch 48;
 - llama.cpp through llama-cpp-python on the same GGUF file (Q4_1: llama.cpp runs it quantized, minisgl and HF
   de-quantize it to bf16), one request after another (its Python API decodes one sequence at a time). It is
@@ -70,12 +71,16 @@ def workload(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]
     return [[rng.randrange(100, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
-def run_minisgl(llm, prompts, new):
+def run_minisgl(llm, prompts, new, policy=None):
     from minisgl.core import SamplingParams
     sp = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
     llm.generate(prompts[:4], sp, use_tqdm=False)   # warm-up
     def once(prompts):
-        t = time.perf_counter(); outs = llm.generate(prompts, sp, use_tqdm=False)
+        default = llm.scheduler.config.schedule_policy
+        if policy: llm.scheduler.config.schedule_policy = policy
+        t = time.perf_counter()
+        try: outs = llm.generate(prompts, sp, use_tqdm=False)
+        finally: llm.scheduler.config.schedule_policy = default
         return sum(len(o.token_ids) for o in outs), time.perf_counter() - t
     return once
 
@@ -124,14 +129,18 @@ def main():
     print(f"minisgl loaded in {time.perf_counter() - t:.1f} s, kernel plan: {llm.engine.kernel_plan.source}", flush=True)
     # new prompts for every repeat (the same for every system): a repeat of the same prompts would hit minisgl's prefix cache
     reps = [workload(args.requests, args.min_prompt, args.max_prompt, llm.engine.vocab_size, seed=r) for r in range(args.reps)]
-    mini_once = run_minisgl(llm, workload(4, args.min_prompt, args.max_prompt, llm.engine.vocab_size, seed=-1),
-                            args.new_tokens)
+    warm = workload(4, args.min_prompt, args.max_prompt, llm.engine.vocab_size, seed=-1)
+    mini_onces = {"minisgl": run_minisgl(llm, warm, args.new_tokens),
+                  "minisgl_prefill_first": run_minisgl(llm, warm, args.new_tokens, "prefill_first")}
     hf_onces = {b: run_hf(model_dir, args.new_tokens, int(b)) for b in args.hf_batches.split(",")}
 
-    results = {"minisgl": [], **{f"hf_batch{b}": [] for b in hf_onces}}
+    results = {**{k: [] for k in mini_onces}, **{f"hf_batch{b}": [] for b in hf_onces}}
     tokens = {}
     for rep, prompts in enumerate(reps):   # interleaved: a slow moment of the machine hurts every system alike
-        n, t = mini_once(prompts); results["minisgl"].append(t); tokens["minisgl"] = n
+        for k, once in mini_onces.items():   # each its own prompts (same distribution): no prefix-cache hits
+            own = prompts if k == "minisgl" else workload(args.requests, args.min_prompt, args.max_prompt,
+                                                          llm.engine.vocab_size, seed=1000 + rep)
+            n, t = once(own); results[k].append(t); tokens[k] = n
         for b, once in hf_onces.items():
             n, t = once(prompts); results[f"hf_batch{b}"].append(t); tokens[f"hf_batch{b}"] = n
         print(f"rep {rep + 1}: " + ", ".join(f"{k} {tokens[k] / v[-1]:.1f} tok/s" for k, v in results.items()), flush=True)

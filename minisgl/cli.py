@@ -33,6 +33,9 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cache", default="radix", choices=["radix", "naive"], help="prefix cache: radix shares prompt prefixes, naive does not (default: %(default)s)")
     g.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=False,
                    help="overlap scheduling: prepare the next batch while the model runs (default: off)")
+    g.add_argument("--schedule-policy", default="mixed", choices=["mixed", "prefill_first"],
+                   help="mixed: running requests' next tokens and prompt chunks in one batch, so arriving prompts do not "
+                        "stall streams; prefill_first: prompt rounds first, as in the tutorial (default: %(default)s)")
     g.add_argument("--kernels", default="auto", choices=["auto", "measure", "gemv", "tiles", "onednn", "torch"],
                    help="CPU bf16 matmul kernels: auto measures a plan once per machine and keeps it (see `minisgl tune`), "
                         "measure measures anew, a kernel name forces it (default: %(default)s)")
@@ -102,7 +105,7 @@ def run_tune(ns: argparse.Namespace, out=sys.stdout) -> int:
     sig = cpu_signature()
     print(f"kernel plan for {ns.model or 'the default model'} on {sig['cpu']} ({sig['threads']} threads, torch {sig['torch']}), "
           f"{'measured now' if plan.source == 'measured' else 'from the cache'} ({plan.seconds:.1f} s to measure), "
-          f"kept in {plan_cache_file(specs)}", file=out)
+          f"kept in {str(plan_cache_file(specs)).replace(os.path.expanduser('~'), '~', 1)}", file=out)
     print("each cell: the kernel picked for up to that many rows, and how much faster it was than the next best\n", file=out)
     print(plan.table(), file=out)
     return 0

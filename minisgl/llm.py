@@ -34,6 +34,7 @@ class EngineArgs:
     prefill_budget: int = 2048          # tokens per prefill batch (longer prompts are chunked)
     cache: str = "radix"                # radix | naive prefix cache
     overlap: bool = False               # overlap scheduling (CPU work of round k+1 during forward k)
+    schedule_policy: str = "mixed"      # mixed: decode tokens and prompt chunks in one batch; prefill_first: the tutorial's
     kernels: str = "auto"               # CPU bf16 matmuls: auto (measured plan, cached) | measure | gemv | tiles | onednn | torch
     kernel_layouts: int = 2             # weight layouts a linear may keep (1: one copy of the weights)
     engine: str = "model"               # model | toy
@@ -48,6 +49,7 @@ class EngineArgs:
             if v is not None and (not isinstance(v, int) or v < 1): bad(name, "must be an int >= 1 or None")
         if self.kv_memory_gb is not None and self.kv_memory_gb <= 0: bad("kv_memory_gb", "must be > 0")
         if self.cache not in ("radix", "naive"): bad("cache", "must be 'radix' or 'naive'")
+        if self.schedule_policy not in ("mixed", "prefill_first"): bad("schedule_policy", "must be 'mixed' or 'prefill_first'")
         if self.engine not in ("model", "toy"): bad("engine", "must be 'model' or 'toy'")
         if self.kernels not in ("auto", "measure", "gemv", "tiles", "onednn", "torch"):
             bad("kernels", "must be auto, measure, gemv, tiles, onednn or torch")
@@ -58,7 +60,7 @@ class EngineArgs:
 @patch
 def scheduler_config(self: EngineArgs) -> SchedulerConfig:
     return SchedulerConfig(max_running_reqs=self.max_running_requests, prefill_budget=self.prefill_budget,
-                           cache=self.cache, overlap=self.overlap)
+                           cache=self.cache, overlap=self.overlap, schedule_policy=self.schedule_policy)
 
 @patch(as_prop=True)
 def model_name(self: EngineArgs) -> str:

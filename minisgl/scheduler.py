@@ -53,12 +53,15 @@ class SchedulerConfig:
     prefill_budget: int = 2048        # prompt tokens computed per prefill round
     cache: Literal['radix', 'naive'] = 'radix'
     overlap: bool = False             # process round N's results while round N+1 runs
+    schedule_policy: Literal['prefill_first', 'mixed'] = 'prefill_first'   # the tutorial's, or mixed batches (below)
 
     def __post_init__(self):
         for name in ('max_running_reqs', 'prefill_budget'):
             v = getattr(self, name)
             if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1): raise ValueError(f"{name}: must be an int >= 1, got {v!r}")
         if self.cache not in ('radix', 'naive'): raise ValueError(f"cache: must be 'radix' or 'naive', got {self.cache!r}")
+        if self.schedule_policy not in ('prefill_first', 'mixed'):
+            raise ValueError(f"schedule_policy: must be 'prefill_first' or 'mixed', got {self.schedule_policy!r}")
 
 # %% ../nbs/02_scheduler.ipynb #ef37690d
 class Engine(Protocol):
@@ -256,8 +259,9 @@ class Scheduler:
 # %% ../nbs/02_scheduler.ipynb #678d7832
 @patch
 def _schedule_next_batch(self: Scheduler) -> Batch | None:
-    batch = (self.prefill_manager.schedule_next_batch(self.config.prefill_budget)
-             or self.decode_manager.schedule_next_batch())
+    if self.config.schedule_policy == 'mixed': batch = self._mixed_batch()   # see "Mixed batches" below
+    else: batch = (self.prefill_manager.schedule_next_batch(self.config.prefill_budget)
+                   or self.decode_manager.schedule_next_batch())
     return self._prepare_batch(batch) if batch else None
 
 @patch
@@ -492,3 +496,13 @@ def check_integrity(self: Scheduler):
     rows = self.table_manager.free_rows + self._deferred_rows + [r.table_idx for r in live]
     assert sorted(rows) == list(range(self.table_manager.max_running_reqs)), f"table rows: free/deferred/live = {rows}"
     assert set(self.cache_manager.owned) == {r.table_idx for r in live}, "a row owns pages but runs nothing"
+
+# %% ../nbs/02_scheduler.ipynb #81abf932
+@patch
+def _mixed_batch(self: Scheduler) -> Batch | None:
+    "The running requests' next tokens and, within the rest of the token budget, waiting prompts: one batch."
+    decode = self.decode_manager.schedule_next_batch()
+    budget = self.config.prefill_budget - (len(decode.reqs) if decode else 0)
+    prefill = self.prefill_manager.schedule_next_batch(budget) if budget > 0 else None
+    if prefill is None or decode is None: return prefill or decode
+    return Batch(prefill.reqs + decode.reqs, 'prefill')

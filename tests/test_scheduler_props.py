@@ -1,4 +1,4 @@
-"""Property tests of the scheduler (normal and overlap loops) driven by `ToyEngine`.
+"""Property tests of the scheduler (normal and overlap loops, prefill-first and mixed batches) driven by `ToyEngine`.
 
 Random arrivals, prompts with shared prefixes, output lengths, page sizes, small KV pools, chunk
 budgets, stop conditions and aborts. After every round: the integrity invariant. At the end:
@@ -52,7 +52,7 @@ class SlowToyEngine(ToyEngine):
 
 
 @st.composite
-def scenarios(draw, overlap: bool) -> Scenario:
+def scenarios(draw, overlap: bool, policy: str = 'prefill_first') -> Scenario:
     page_size = draw(st.sampled_from([1, 2, 4]))
     vocab = draw(st.integers(6, 16))
     arrivals = []
@@ -69,7 +69,8 @@ def scenarios(draw, overlap: bool) -> Scenario:
         abort = draw(st.one_of(st.none(), st.integers(arrive, arrive + 10))) if draw(st.integers(0, 4)) == 0 else None
         arrivals.append(Arrival(uid, arrive, prompt, params, abort))
     config = SchedulerConfig(max_running_reqs=draw(st.integers(1, 4)), prefill_budget=draw(st.integers(1, 32)),
-                             cache=draw(st.sampled_from(['radix', 'radix', 'naive'])), overlap=overlap)
+                             cache=draw(st.sampled_from(['radix', 'radix', 'naive'])), overlap=overlap,
+                             schedule_policy=policy)
     return Scenario(page_size, draw(st.integers(12 // page_size, 48 // page_size)), vocab,
                     draw(st.sampled_from([(0,), ()])), config, tuple(arrivals))
 
@@ -158,6 +159,16 @@ def test_normal_loop(sc: Scenario): check(sc)
 @SETTINGS
 @given(scenarios(overlap=True))
 def test_overlap_loop(sc: Scenario): check(sc)
+
+
+@SETTINGS
+@given(scenarios(overlap=False, policy='mixed'))
+def test_normal_loop_mixed_batches(sc: Scenario): check(sc)
+
+
+@SETTINGS
+@given(scenarios(overlap=True, policy='mixed'))
+def test_overlap_loop_mixed_batches(sc: Scenario): check(sc)
 
 
 def test_solo_stop_conditions():
