@@ -35,7 +35,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 LLAMA_CODE = r"""
 import json, sys, time
 from llama_cpp import Llama
-a = json.loads(sys.argv[1])
+a = json.loads(sys.stdin.read())
 llm = Llama(model_path=a["gguf"], n_ctx=512, n_batch=512, n_threads=a["threads"], verbose=False)
 eos = llm.token_eos()
 def run(prompts):
@@ -148,7 +148,7 @@ def main():
     missing = {}
     if args.llama_python:
         a = dict(gguf=str(default_gguf_path()), threads=info["threads"], new=args.new_tokens, prompts=reps, reps=args.reps)
-        r = subprocess.run([args.llama_python, "-c", LLAMA_CODE, json.dumps(a)], capture_output=True, text=True)
+        r = subprocess.run([args.llama_python, "-c", LLAMA_CODE], input=json.dumps(a), capture_output=True, text=True)
         if r.returncode == 0:
             d = json.loads(r.stdout.strip().splitlines()[-1])
             results["llama.cpp"], tokens["llama.cpp"] = d["times"], d["tokens"]

@@ -281,17 +281,17 @@ def _plan_key(specs) -> dict:
                 specs={_shape_key(s): [v.count, v.max_rows, list(v.free)] for s, v in sorted(specs.items())})
 
 
-def plan_cache_file(specs: dict[tuple[int, int], LinearSpec], kernels: list[str] | None = None) -> Path:
+def plan_cache_file(specs: dict[tuple[int, int], LinearSpec]) -> Path:
     "The cache file of the plan for `specs` on this machine (named by the hash of `cpu_signature` and the specs)."
-    key = json.dumps({**_plan_key(specs), 'kernels': sorted(kernels or KERNELS)}, sort_keys=True)
+    key = json.dumps(_plan_key(specs), sort_keys=True)
     return plan_cache_dir() / f'plan-{hashlib.sha1(key.encode()).hexdigest()[:16]}.json'
 
 # %% ../nbs/04c_linear.ipynb #b9a0c281
-def _read_plan(path: Path, specs, kernels, max_layouts) -> KernelPlan | None:
+def _read_plan(path: Path, specs, max_layouts) -> KernelPlan | None:
     "The plan in `path` if it is well-formed and was measured for exactly this machine and `specs`; else None."
     try:
         d = json.loads(path.read_text())
-        if d.get('key') != json.loads(json.dumps({**_plan_key(specs), 'kernels': sorted(kernels or KERNELS)})): return None
+        if d.get('key') != json.loads(json.dumps(_plan_key(specs))): return None   # measured elsewhere, or for other shapes
         times = {}
         for shape in specs:
             ts = d['times'][_shape_key(shape)]
@@ -304,8 +304,8 @@ def _read_plan(path: Path, specs, kernels, max_layouts) -> KernelPlan | None:
         return None
 
 
-def _write_plan(path: Path, plan: KernelPlan, specs, kernels) -> None:
-    d = dict(key={**_plan_key(specs), 'kernels': sorted(kernels or KERNELS)}, seconds=plan.seconds,
+def _write_plan(path: Path, plan: KernelPlan, specs) -> None:
+    d = dict(key=_plan_key(specs), seconds=plan.seconds,
              times={_shape_key(s): {kern: {str(m): v for m, v in t.items()} for kern, t in ts.items()}
                     for s, ts in plan.times.items()})
     try:
@@ -324,10 +324,10 @@ def kernel_plan(specs: dict[tuple[int, int], LinearSpec], kernels: str = 'auto',
     if kernels in KERNELS: return forced_plan(specs, kernels)
     if kernels not in ('auto', 'measure'): raise ValueError(f"kernels must be 'auto', 'measure' or one of {KERNELS}, got {kernels!r}")
     path = plan_cache_file(specs)
-    if kernels == 'auto' and (plan := _read_plan(path, specs, None, max_layouts)) is not None: return plan
+    if kernels == 'auto' and (plan := _read_plan(path, specs, max_layouts)) is not None: return plan
     logger.info('measuring the matmul kernels for %d weight shapes on this CPU (once; kept in %s)', len(specs), path)
     plan = measure_plan(specs, None, max_layouts)
-    _write_plan(path, plan, specs, None)
+    _write_plan(path, plan, specs)
     logger.info('kernel plan measured in %.1f s', plan.seconds)
     return plan
 

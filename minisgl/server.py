@@ -121,6 +121,8 @@ def run_scheduler_worker(names: IPCNames, args: EngineArgs, rank: int = 0, tp_si
     "Main function of the scheduler process of rank `rank`."
     from minisgl.scheduler import Scheduler
     _ignore_sigint()
+    # a process of its own: its log lines (the engine's kernel plan, say) need the server's log level here too
+    logging.basicConfig(level=getattr(args, 'log_level', 'info').upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     parent = os.getppid()
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL); inbox.bind(names.scheduler(rank))
