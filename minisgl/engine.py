@@ -15,7 +15,7 @@ from fastcore.basics import patch
 from .core import Batch, ForwardOutput, SamplingParams
 from .kernels import _ext
 from .kvcache import KVPool
-from .linear import KERNELS, LAYOUT, KernelPlan, PackedLinear, can_pack_linears, kernel_plan, linear_specs, pack_linears
+from .linear import KERNELS, KernelPlan, PackedLinear, can_pack_linears, kernel_plan, linear_specs, pack_linears
 from .models import CausalLM, ForwardContext, ModelConfig
 from .sampling import SamplingBatch, sample
 from .weights import eos_token_ids, load_hf_config, load_model, load_tokenizer, resolve_model

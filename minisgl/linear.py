@@ -208,16 +208,6 @@ class KernelPlan:
     source: str = 'measured'    # 'measured', 'cache <file>' or 'forced <kernel>'
     seconds: float = 0.0        # spent measuring
 
-    def kernel_for(self, shape: tuple[int, int], rows: int) -> str:
-        "The kernel for `rows` rows of weight `shape`."
-        picks = self.choices[tuple(shape)]
-        i = bisect.bisect_left([m for m, _ in picks], rows)
-        return picks[min(i, len(picks) - 1)][1]
-
-    def layouts(self, shape: tuple[int, int]) -> set[str]:
-        "The weight layouts `shape`'s linears keep."
-        return {LAYOUT[kern] for _, kern in self.choices[tuple(shape)]}
-
 # %% ../nbs/04c_linear.ipynb #26af87d4
 @patch
 def table(self: KernelPlan) -> str:

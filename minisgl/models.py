@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from fastcore.basics import patch
 
 from . import kernels
-from .linear import GEMV_MAX_ROWS, NATIVE_KERNELS
+from .linear import GEMV_MAX_ROWS, NATIVE_KERNELS, PackedLinear
 
 # %% auto #0
 __all__ = ['SUPPORTED_MODEL_TYPES', 'ModelConfig', 'rope_inv_freq', 'RotaryEmbedding', 'ForwardContext', 'RMSNorm', 'Attention',
@@ -296,7 +296,7 @@ class DecoderLayer(nn.Module):
 # %% ../nbs/05_models.ipynb #5f227f46
 def _linear_kernel(lin: nn.Module, rows: int) -> str | None:
     "The kernel `lin` runs for `rows` rows: its plan's pick (a `PackedLinear`, chapter 04c), the GEMV for a plain bf16 `nn.Linear` of up to `GEMV_MAX_ROWS`, else None."
-    if hasattr(lin, 'kernel_for'): return lin.kernel_for(rows)
+    if isinstance(lin, PackedLinear): return lin.kernel_for(rows)
     return 'gemv' if rows <= GEMV_MAX_ROWS and lin.weight is not None and lin.weight.dtype == torch.bfloat16 else None
 
 def _native_weight(lin: nn.Module, rows: int) -> torch.Tensor:
