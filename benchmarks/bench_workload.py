@@ -1,8 +1,8 @@
 """A mixed offline workload, minisgl against its peers in one run: 48 requests of random-token prompts of 40-300
 tokens, 64 new tokens each, greedy, EOS ignored, the default model (SmolLM2-135M-Instruct) in bf16.
 
-- minisgl: `LLM(dtype="bfloat16")` with its defaults (mixed batches; its kernel plan measured or read from the cache
-  first), and the same engine under the tutorial's prefill-first policy (`minisgl_prefill_first`);
+- minisgl: `LLM(dtype="bfloat16")` with its defaults (prefill-first rounds; its kernel plan measured or read from the
+  cache first), and the same engine with mixed batches (`minisgl_mixed`);
 - HF transformers: `generate` over static batches (left-padded), the best of batch 16 and batch 48;
 - llama.cpp through llama-cpp-python on the same GGUF file (Q4_1: llama.cpp runs it quantized, minisgl and HF
   de-quantize it to bf16), one request after another (its Python API decodes one sequence at a time). It is
@@ -131,7 +131,7 @@ def main():
     reps = [workload(args.requests, args.min_prompt, args.max_prompt, llm.engine.vocab_size, seed=r) for r in range(args.reps)]
     warm = workload(4, args.min_prompt, args.max_prompt, llm.engine.vocab_size, seed=-1)
     mini_onces = {"minisgl": run_minisgl(llm, warm, args.new_tokens),
-                  "minisgl_prefill_first": run_minisgl(llm, warm, args.new_tokens, "prefill_first")}
+                  "minisgl_mixed": run_minisgl(llm, warm, args.new_tokens, "mixed")}
     hf_onces = {b: run_hf(model_dir, args.new_tokens, int(b)) for b in args.hf_batches.split(",")}
 
     results = {**{k: [] for k in mini_onces}, **{f"hf_batch{b}": [] for b in hf_onces}}

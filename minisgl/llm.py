@@ -34,7 +34,7 @@ class EngineArgs:
     prefill_budget: int = 2048          # tokens per prefill batch (longer prompts are chunked)
     cache: str = "radix"                # radix | naive prefix cache
     overlap: bool = False               # overlap scheduling (CPU work of round k+1 during forward k)
-    schedule_policy: str = "mixed"      # mixed: decode tokens and prompt chunks in one batch; prefill_first: the tutorial's
+    schedule_policy: str = "prefill_first"   # or mixed: decode tokens and prompt chunks in one batch (chapter 02)
     kernels: str = "auto"               # CPU bf16 matmuls: auto (measured plan, cached) | measure | gemv | tiles | onednn | torch
     kernel_layouts: int = 2             # weight layouts a linear may keep (1: one copy of the weights)
     engine: str = "model"               # model | toy
