@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 import itertools
 import json
@@ -127,14 +128,18 @@ def _cpu_model_and_flags() -> tuple[str, list[str]]:
     return model, flags
 
 
+@functools.cache
+def _ext_hash() -> str | None:
+    "A hash of the built extension's file (read once per process): a rebuilt kernel is another plan."
+    so = getattr(_ext(), '__file__', None)
+    return hashlib.sha1(Path(so).read_bytes()).hexdigest()[:16] if so else None
+
+
 def cpu_signature() -> dict:
     "Everything a kernel plan's timings depend on, as a JSON-able dict (the plan cache's key)."
     model, flags = _cpu_model_and_flags()
-    ext = _ext()
-    so = getattr(ext, '__file__', None)
     return dict(format=PLAN_FORMAT, cpu=model, flags=flags, threads=torch.get_num_threads(),
-                torch=torch.__version__, torch_isa=torch.backends.cpu.get_cpu_capability(),
-                ext=hashlib.sha1(Path(so).read_bytes()).hexdigest()[:16] if so else None,
+                torch=torch.__version__, torch_isa=torch.backends.cpu.get_cpu_capability(), ext=_ext_hash(),
                 caps={k: os.environ.get(k, '') for k in ('MINISGL_CPU_ISA', 'ONEDNN_MAX_CPU_ISA', 'DNNL_MAX_CPU_ISA')})
 
 # %% ../nbs/04c_linear.ipynb #dc154bb9
@@ -143,11 +148,11 @@ _PASS_FLOPS = 2e9            # per timed pass: fewer copies for big calls
 _MAX_CALL_FLOPS = 8e9        # calls above this are not timed
 
 
-def measure_linear(out_features: int, in_features: int, rows: list[int], kernels: list[str] | None = None,
-                   copies: int = 1, reps: int = 5) -> dict[str, dict[int, float]]:
-    "Median seconds per call of each candidate `kernel -> rows -> s` for a bf16 weight [out, in], bias-free."
+def measure_linear(out_features: int, in_features: int, rows: list[int], copies: int = 1,
+                   reps: int = 5) -> dict[str, dict[int, float]]:
+    "Median seconds per call of every candidate that runs here, `kernel -> rows -> s`, for a bf16 weight [out, in], bias-free."
     n, k = out_features, in_features
-    kernels = [kern for kern in (kernels or KERNELS) if kernel_runs(kern, 1, k)]
+    kernels = [kern for kern in KERNELS if kernel_runs(kern, 1, k)]
     copies = max(1, min(copies, -(-_COLD_BYTES // (n * k * 2))))
     gen = torch.Generator().manual_seed(n * 7919 + k)
     ws = [(torch.randn(n, k, generator=gen) * k ** -0.5).to(torch.bfloat16) for _ in range(copies)]
@@ -243,12 +248,11 @@ def _buckets_up_to(max_rows: int) -> list[int]:
     return out + [next((m for m in ROW_BUCKETS if m >= max_rows), ROW_BUCKETS[-1])]
 
 
-def measure_plan(specs: dict[tuple[int, int], LinearSpec], kernels: list[str] | None = None,
-                 max_layouts: int = 2, reps: int = 5) -> KernelPlan:
+def measure_plan(specs: dict[tuple[int, int], LinearSpec], max_layouts: int = 2, reps: int = 5) -> KernelPlan:
     "Time every candidate for every shape in `specs` and keep the fastest per bucket (see `choose_kernels`)."
     t0, times, choices = time.perf_counter(), {}, {}
     for shape, spec in specs.items():
-        times[shape] = measure_linear(*shape, _buckets_up_to(spec.max_rows), kernels, spec.count, reps)
+        times[shape] = measure_linear(*shape, _buckets_up_to(spec.max_rows), spec.count, reps)
         choices[shape] = choose_kernels(times[shape], max_layouts, spec.free)
     return KernelPlan(choices, times, 'measured', time.perf_counter() - t0)
 
@@ -316,7 +320,7 @@ def kernel_plan(specs: dict[tuple[int, int], LinearSpec], kernels: str = 'auto',
     path = plan_cache_file(specs)
     if kernels == 'auto' and (plan := _read_plan(path, specs, max_layouts)) is not None: return plan
     logger.info('measuring the matmul kernels for %d weight shapes on this CPU (once; kept in %s)', len(specs), path)
-    plan = measure_plan(specs, None, max_layouts)
+    plan = measure_plan(specs, max_layouts)
     _write_plan(path, plan, specs)
     logger.info('kernel plan measured in %.1f s', plan.seconds)
     return plan

@@ -59,9 +59,8 @@ def test_choose_kernels_bounds_layouts():
     assert choose_kernels(times, 3) == [(1, "gemv"), (8, "tiles"), (256, "onednn")]
     assert choose_kernels(times, 2) == [(1, "tiles"), (8, "tiles"), (256, "onednn")]
     # a free plain layout (a tied LM head's) is always there to use
-    assert choose_kernels(times, 1, free=("plain",)) == [(1, "gemv"), (8, "tiles"), (256, "tiles")][:1] + \
-        choose_kernels(times, 1, free=("plain",))[1:]
-    assert choose_kernels(times, 1, free=("plain",))[0] == (1, "gemv")
+    # with plain free, one more layout: tiles (worst case 1.2x, torch at 256) beats oneDNN's (2x at 8 rows)
+    assert choose_kernels(times, 1, free=("plain",)) == [(1, "gemv"), (8, "tiles"), (256, "torch")]
     with pytest.raises(ValueError, match="max_layouts"): choose_kernels(times, 0)
     with pytest.raises(ValueError, match="no timings"): choose_kernels({}, 2)
 
