@@ -1,14 +1,19 @@
-"""`minisgl serve` under concurrent streaming clients: output tok/s, time to first token and inter-token latency
-(p50/p99) at several concurrencies, for each scheduling policy (mixed batches vs the tutorial's prefill-first).
+"""`minisgl serve` under concurrent streaming clients, against llama.cpp's `llama-server --parallel N` on the same
+GGUF: output tok/s, time to first token and inter-token latency (p50/p99) at several concurrencies.
 
-Each run starts a server on a free loopback port (the embedded model, bf16), sends `--requests` completions of
-random-word prompts of 40-300 words with `--new-tokens` new tokens each (EOS ignored), at most `--concurrency`
-at a time, streaming, and measures on the client: TTFT = first streamed token - request sent; ITL = the gaps
-between a request's streamed chunks. The server is stopped after each run. A small client of our own (httpx,
-asyncio): llama.cpp's `llama-server` is the peer the issue names, but it needs a ~25-minute build that this
-script does not do; pass `--peer-url` to measure an already running OpenAI-compatible server the same way.
+Each run starts a server on a free loopback port (the embedded model, bf16; llama-server with `--parallel` equal
+to the concurrency and a context of 1024 tokens per slot), sends `--requests` completions of random-word prompts
+of 40-300 words with `--new-tokens` new tokens each (EOS ignored), at most `--concurrency` at a time, streaming,
+and measures on the client: TTFT = first streamed token - request sent; ITL = the gaps between a request's
+streamed chunks. The server is stopped after each run. The client is a small one of our own (httpx, asyncio);
+`--aiperf PATH` also runs NVIDIA's aiperf (PyPI) against the same servers as a cross-check of the figures.
+`--peer-url` measures an already running OpenAI-compatible server the same way.
 
-    .venv/bin/python benchmarks/bench_serving.py --concurrency 1,4,16 --requests 32 --out serving.json
+llama-server is not on PyPI: build it once per machine from the llama.cpp vendored in llama-cpp-python's sdist
+(`pip download --no-binary :all: --no-deps llama-cpp-python`, then `cmake -B build -DLLAMA_BUILD_SERVER=ON
+-DLLAMA_CURL=OFF ...` and `cmake --build build --target llama-server`; see the closing note of issue 13).
+
+    .venv/bin/python benchmarks/bench_serving.py --concurrency 1,4,16,64 --llama-server /path/to/llama-server --out s.json
 """
 from __future__ import annotations
 
@@ -66,9 +71,14 @@ async def load(url: str, ps: list[str], conc: int, new: int) -> dict:
                 ttft_p50=statistics.median(ttft), ttft_p99=q(ttft, 0.99), itl_p50=statistics.median(itl), itl_p99=q(itl, 0.99))
 
 
-def start_server(policy: str, port: int, extra: list[str]) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "minisgl", "serve", "--port", str(port), "--dtype", "bfloat16",
-           "--schedule-policy", policy, "--log-level", "warning", *extra]
+def start_server(policy: str, port: int, extra: list[str], llama_server: str | None = None, conc: int = 1) -> subprocess.Popen:
+    if policy == "llama-server":
+        from minisgl.weights import default_gguf_path
+        cmd = [llama_server, "-m", str(default_gguf_path()), "--port", str(port), "--host", "127.0.0.1",
+               "--parallel", str(conc), "-c", str(1024 * conc), "--threads", str(os.cpu_count())]
+    else:
+        cmd = [sys.executable, "-m", "minisgl", "serve", "--port", str(port), "--dtype", "bfloat16",
+               "--schedule-policy", policy, "--log-level", "warning", *extra]
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     for _ in range(300):
         try:
@@ -84,20 +94,26 @@ def main():
     ap.add_argument("--concurrency", default="1,4,16,64")
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--policies", default="mixed,prefill_first")
+    ap.add_argument("--policies", default="prefill_first", help="minisgl scheduling policies to run (comma-separated)")
+    ap.add_argument("--llama-server", default=None, metavar="PATH", help="also run this llama-server binary (same GGUF)")
     ap.add_argument("--server-args", default="", help="extra `minisgl serve` options, e.g. '--prefill-budget 512'")
     ap.add_argument("--peer-url", default=None, help="also measure this running OpenAI-compatible server")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
-    print(f"{cpu}, {os.cpu_count()} cores; {args.requests} requests per run, 40-300-word prompts, {args.new_tokens} new tokens")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_workload import machine
+    info = machine()
+    print(f"{info['cpu']} ({info['cores']} cores, {' '.join(info['flags'])}), torch {info['torch']}; {args.requests} "
+          f"requests per run, 40-300-word prompts, {args.new_tokens} new tokens")
     print("| system | concurrency | output tok/s | TTFT p50 s | TTFT p99 s | ITL p50 ms | ITL p99 ms |\n|---|---:|---:|---:|---:|---:|---:|")
     rows = []
-    targets = [(f"minisgl {p}", p) for p in args.policies.split(",")] + ([("peer", None)] if args.peer_url else [])
+    targets = [(f"minisgl {p}", p) for p in args.policies.split(",")]
+    targets += ([("llama-server", "llama-server")] if args.llama_server else []) + ([("peer", None)] if args.peer_url else [])
     for seed, conc in enumerate(int(c) for c in args.concurrency.split(",")):
         for name, policy in targets:
             ps = prompts(args.requests, seed)   # the same prompts for every system at this concurrency
-            server = start_server(policy, port := free_port(), args.server_args.split()) if policy else None
+            server = (start_server(policy, port := free_port(), args.server_args.split(), args.llama_server, conc)
+                      if policy else None)
             try:
                 url = f"http://127.0.0.1:{port}" if policy else args.peer_url
                 r = asyncio.run(load(url, ps, conc, args.new_tokens))
@@ -107,7 +123,7 @@ def main():
             print(f"| {name} | {conc} | {r['output_tok_s']:.1f} | {r['ttft_p50']:.2f} | {r['ttft_p99']:.2f} | "
                   f"{r['itl_p50'] * 1e3:.0f} | {r['itl_p99'] * 1e3:.0f} |", flush=True)
     if args.out:
-        with open(args.out, "w") as f: json.dump(dict(cpu=cpu, cores=os.cpu_count(), args=vars(args), rows=rows), f, indent=1)
+        with open(args.out, "w") as f: json.dump(dict(machine=info, args=vars(args), rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":

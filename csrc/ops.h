@@ -9,7 +9,7 @@
 
 namespace minisgl {
 
-std::string cpu_isa();  // the instruction set the CPU kernels picked at run time: avx512 | avx2 | baseline
+std::string cpu_isa();  // the attention kernels' instruction set, picked at run time: avx512bf16 | avx512 | avx2 | baseline
 
 void store_kv_cpu(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& out_loc, const at::Tensor& k,
                   const at::Tensor& v);

@@ -27,9 +27,10 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--page-size", type=int, default=16, metavar="N", help="tokens per KV page (default: %(default)s)")
     g.add_argument("--num-pages", type=int, default=None, metavar="N", help="KV pages in the pool (default: from --kv-memory-gb, else the engine's share of free memory)")
     g.add_argument("--kv-memory-gb", type=float, default=None, metavar="GB", help="KV cache budget in GiB when --num-pages is not given")
-    g.add_argument("--max-running-requests", type=int, default=32, metavar="N", help="requests decoded together (default: %(default)s)")
-    g.add_argument("--prefill-budget", "--max-prefill-tokens", dest="prefill_budget", type=int, default=2048, metavar="N",
-                   help="prompt tokens per prefill step; longer prompts are chunked (default: %(default)s)")
+    g.add_argument("--max-running-requests", type=int, default=None, metavar="N",
+                   help="requests decoded together (default: fitted to this machine from the measured kernel plan; logged)")
+    g.add_argument("--prefill-budget", "--max-prefill-tokens", dest="prefill_budget", type=int, default=None, metavar="N",
+                   help="prompt tokens per prefill step; longer prompts are chunked (default: fitted like --max-running-requests)")
     g.add_argument("--cache", default="radix", choices=["radix", "naive"], help="prefix cache: radix shares prompt prefixes, naive does not (default: %(default)s)")
     g.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=False,
                    help="overlap scheduling: prepare the next batch while the model runs (default: off)")
@@ -91,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "where `minisgl serve` and `LLM` read it. The engine does this by itself on its first start.")
     t.add_argument("--show", action="store_true", help="print the saved plan (measuring only if there is none)")
     t.add_argument("--model", default=None, metavar="PATH", help="model directory or .gguf file (default: the embedded model)")
-    t.add_argument("--max-running-requests", type=int, default=32, metavar="N", help="the batch sizes to plan for (default: %(default)s)")
+    t.add_argument("--max-running-requests", type=int, default=None, metavar="N",
+                   help="the batch sizes to plan for (default: what the engine plans for, 64)")
     t.add_argument("--kernel-layouts", type=int, default=2, choices=[1, 2, 3], metavar="N", help="(default: %(default)s)")
     return p
 
@@ -100,7 +102,7 @@ def run_tune(ns: argparse.Namespace, out=sys.stdout) -> int:
     "`minisgl tune`: measure the kernel plan anew (or `--show` the saved one) and print it."
     from minisgl.engine import model_linear_specs
     from minisgl.linear import cpu_signature, kernel_plan, plan_cache_file
-    specs = model_linear_specs(ns.model, ns.max_running_requests)
+    specs = model_linear_specs(ns.model, ns.max_running_requests or 64)
     if not ns.show: print("measuring (a few seconds)...", file=sys.stderr, flush=True)
     plan = kernel_plan(specs, "auto" if ns.show else "measure", ns.kernel_layouts)
     sig = cpu_signature()

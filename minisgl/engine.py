@@ -15,7 +15,8 @@ from fastcore.basics import patch
 from .core import Batch, ForwardOutput, SamplingParams
 from .kernels import _ext
 from .kvcache import KVPool
-from .linear import KERNELS, KernelPlan, PackedLinear, can_pack_linears, kernel_plan, linear_specs, pack_linears
+from .linear import (KERNELS, ROW_BUCKETS, KernelPlan, LinearSpec, PackedLinear, can_pack_linears, kernel_plan,
+                            linear_specs, pack_linears)
 from .models import CausalLM, ForwardContext, ModelConfig
 from .sampling import SamplingBatch, sample
 from .weights import eos_token_ids, load_hf_config, load_model, load_tokenizer, resolve_model
@@ -23,7 +24,8 @@ from .weights import eos_token_ids, load_hf_config, load_model, load_tokenizer, 
 logger = logging.getLogger('minisgl.engine')
 
 # %% auto #0
-__all__ = ['logger', 'EngineConfig', 'cpu_has_fast_bf16', 'free_memory', 'Engine', 'model_linear_specs']
+__all__ = ['logger', 'FIXED_LIMITS', 'EngineConfig', 'cpu_has_fast_bf16', 'free_memory', 'Engine', 'model_linear_specs',
+           'BatchLimits', 'linear_seconds', 'fit_limits']
 
 # %% ../nbs/08_engine.ipynb #2a257558
 _DTYPES = {'float32': torch.float32, 'fp32': torch.float32, 'bfloat16': torch.bfloat16, 'bf16': torch.bfloat16,
@@ -38,7 +40,7 @@ class EngineConfig:
     page_size: int = 16
     num_pages: int | None = None    # KV pages; None: from mem_fraction
     mem_fraction: float = 0.3       # of free RAM (CPU) or free GPU memory after the weights (CUDA)
-    max_running_reqs: int = 32      # rows of the request table the KV pool is sized for
+    max_running_reqs: int | None = None   # rows of the request table the KV pool is sized for; None: fitted (`fit_limits`)
     max_seq_len: int | None = None  # context length; None: the model's max_position_embeddings
     attention_backend: str | None = None   # None: by device ('cpu' C++ / 'cuda' / 'triton' / 'torch')
     num_threads: int | None = None  # CPU threads for torch; None: torch's default (physical cores)
@@ -50,10 +52,10 @@ class EngineConfig:
         if self.dtype != 'auto' and self.dtype not in _DTYPES: bad('dtype', f'must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}')
         if not (self.device in ('auto', 'cpu', 'cuda') or str(self.device).startswith('cuda:')):
             bad('device', f"must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
-        for name in ('page_size', 'max_running_reqs'):
+        for name in ('page_size',):
             v = getattr(self, name)
             if not (isinstance(v, int) and v >= 1): bad(name, f'must be an int >= 1, got {v!r}')
-        for name in ('num_pages', 'max_seq_len', 'num_threads'):
+        for name in ('num_pages', 'max_seq_len', 'num_threads', 'max_running_reqs'):
             v = getattr(self, name)
             if v is not None and not (isinstance(v, int) and v >= 1): bad(name, f'must be None or an int >= 1, got {v!r}')
         if not (0 < self.mem_fraction <= 1): bad('mem_fraction', f'must be in (0, 1], got {self.mem_fraction!r}')
@@ -108,12 +110,15 @@ class Engine:
         self.vocab_size = cfg.vocab_size
         self.tokenizer = load_tokenizer(self.model_dir)
         self.eos_token_ids = eos_token_ids(self.model_dir, self.tokenizer)
+        self.kernel_plan = self._plan_kernels() if can_pack_linears(self.device, self.dtype) else None
+        self.limits = self._fit_limits()                      # rows and prefill tokens (read off the plan)
         self.num_pages = config.num_pages or self._pages_that_fit()
+        self.limits = self.limits.capped(self.num_pages * self.page_size)
+        logger.info('batch limits: %s', self.limits)
         self.kv_pool = KVPool(cfg.num_layers, self.num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim,
                               self.dtype, self.device)
         self.kv_caches = [(self.kv_pool.k_cache(i), self.kv_pool.v_cache(i)) for i in range(cfg.num_layers)]
         self.backend = config.attention_backend
-        self.kernel_plan = self._plan_kernels() if can_pack_linears(self.device, self.dtype) else None
 
 # %% ../nbs/08_engine.ipynb #84b007d0
 @patch
@@ -123,7 +128,7 @@ def _pages_that_fit(self: Engine) -> int:
     per_page = 2 * cfg.num_layers * self.page_size * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
     by_memory = int(free_memory(self.device) * self.config.mem_fraction) // per_page
     # every running request may fill a whole context, in whole pages (+1: one more queued)
-    useful = (self.config.max_running_reqs + 1) * -(-self.max_seq_len // self.page_size)
+    useful = (self.limits.max_running_reqs + 1) * -(-self.max_seq_len // self.page_size)
     n = min(by_memory, useful)
     if n < -(-self.max_seq_len // self.page_size):
         raise ValueError(f'mem_fraction: {self.config.mem_fraction} of free memory holds {n} KV pages of '
@@ -141,7 +146,8 @@ def __repr__(self: Engine):
 def _plan_kernels(self: Engine) -> KernelPlan:
     "Read or measure the kernel plan of this model's linears, make them follow it, and log it (with its memory cost)."
     c = self.config
-    plan = kernel_plan(linear_specs(self.model, c.max_running_reqs), c.kernels, c.kernel_layouts)
+    self.linear_specs = linear_specs(self.model, c.max_running_reqs or 64)   # kept: the batch limits read them
+    plan = kernel_plan(self.linear_specs, c.kernels, c.kernel_layouts)
     pack_linears(self.model, plan)
     extra, embed = 0, self.model.embed_tokens.weight.data_ptr()   # bytes of weight copies beyond one per linear
     for m in self.model.modules():
@@ -155,11 +161,69 @@ def _plan_kernels(self: Engine) -> KernelPlan:
     return plan
 
 # %% ../nbs/08_engine.ipynb #736b3146
-def model_linear_specs(model: str | None = None, max_running_reqs: int = 32) -> dict:
+def model_linear_specs(model: str | None = None, max_running_reqs: int = 64) -> dict:
     "The `LinearSpec`s of a model (HF directory, .gguf, None: the default) from its config alone: no weights are read."
     cfg = ModelConfig.from_hf(load_hf_config(resolve_model(model, progress=False)))
     with torch.device('meta'): m = CausalLM(cfg, max_seq_len=16)
     return linear_specs(m, max_running_reqs)
+
+# %% ../nbs/08_engine.ipynb #910b21f7
+@dataclass(frozen=True)
+class BatchLimits:
+    "How many requests decode together and how many prompt tokens a prefill round computes, and why."
+    max_running_reqs: int
+    prefill_budget: int
+    why: str = 'fixed defaults'
+
+    def capped(self, pool_tokens: int, per_request: int = 256) -> BatchLimits:
+        "At most as many rows as the KV pool gives `per_request` tokens each (rows fitted to a kernel plan only)."
+        rows = max(1, pool_tokens // per_request)
+        if not self.why.startswith('kernel plan') or self.max_running_reqs <= rows: return self
+        return BatchLimits(rows, self.prefill_budget, f'{self.why}; rows capped by a pool of {pool_tokens} tokens')
+
+FIXED_LIMITS = BatchLimits(32, 2048)
+
+# %% ../nbs/08_engine.ipynb #0d37c0da
+def linear_seconds(plan: KernelPlan, shape: tuple[int, int], rows: int) -> float | None:
+    "The plan's time of one `shape` linear at `rows` rows: its pick at the next measured bucket up (scaled past the last); None if unmeasured."
+    picks = plan.choices[shape]
+    kernel = next((k for m, k in picks if m >= rows), picks[-1][1])
+    measured = plan.times.get(shape, {}).get(kernel)
+    if not measured: return None
+    bucket = min((b for b in measured if b >= rows), default=max(measured))
+    return measured[bucket] * max(1.0, rows / bucket)
+
+def fit_limits(plan: KernelPlan, specs: dict, head: tuple[int, int], slack: float = 0.1,
+               max_rows: int = 256, min_budget: int = 256) -> BatchLimits:
+    "Decode rows and prefill tokens where the plan's cost per row stops falling by more than `slack`."
+    def forward(rows, head_rows):   # seconds of one forward's linears (the LM head sees one row per request)
+        total = 0.0
+        for shape, spec in specs.items():
+            t = linear_seconds(plan, shape, head_rows if shape == head else rows) if shape in plan.choices else None
+            if t is None: return None
+            total += spec.count * t
+        return total
+    decode = {b: forward(b, b) for b in ROW_BUCKETS if 8 <= b <= max_rows}
+    prefill = {b: forward(b, 1) for b in ROW_BUCKETS if b >= min_budget}
+    if not specs or None in decode.values() or None in prefill.values(): return FIXED_LIMITS
+    def knee(costs):   # the fewest rows whose cost per row is within slack of the best
+        best = min(c / b for b, c in costs.items())
+        return min(b for b, c in costs.items() if c / b <= best * (1 + slack))
+    rows, budget = knee(decode), knee(prefill)
+    return BatchLimits(rows, budget, f'kernel plan: matmuls of a {rows}-row decode step {decode[rows] * 1e3:.0f} ms, '
+                                     f'of a {budget}-token prefill round {prefill[budget] * 1e3:.0f} ms')
+
+# %% ../nbs/08_engine.ipynb #9d1b5d4b
+@patch
+def _fit_limits(self: Engine) -> BatchLimits:
+    "Batch limits from the kernel plan where there is one (else fixed); a configured `max_running_reqs` wins."
+    fitted = FIXED_LIMITS
+    if self.kernel_plan is not None:
+        head = (self.model.lm_head.out_features, self.model.lm_head.in_features)
+        fitted = fit_limits(self.kernel_plan, self.linear_specs, head)
+    rows = self.config.max_running_reqs
+    if rows is None: return fitted
+    return BatchLimits(rows, fitted.prefill_budget, f'max_running_reqs configured; prefill budget: {fitted.why}')
 
 # %% ../nbs/08_engine.ipynb #9dc67b92
 def _plain_greedy(p: SamplingParams) -> bool:

@@ -30,8 +30,8 @@ class EngineArgs:
     num_pages: int | None = None        # KV pages (None: from kv_memory_gb, else the engine's default)
     kv_memory_gb: float | None = None   # KV cache budget in GiB, used when num_pages is None
     max_seq_len: int | None = None      # context length (None: the model's, capped by the engine)
-    max_running_requests: int = 32
-    prefill_budget: int = 2048          # tokens per prefill batch (longer prompts are chunked)
+    max_running_requests: int | None = None   # requests decoding together (None: fitted to the machine, chapter 08)
+    prefill_budget: int | None = None   # prompt tokens per prefill round, longer prompts are chunked (None: fitted)
     cache: str = "radix"                # radix | naive prefix cache
     overlap: bool = False               # overlap scheduling (CPU work of round k+1 during forward k)
     schedule_policy: str = "prefill_first"   # or mixed: decode tokens and prompt chunks in one batch (chapter 02)
@@ -42,9 +42,9 @@ class EngineArgs:
     def __post_init__(self):
         def bad(name, msg): raise ValueError(f"{name}: {msg}, got {getattr(self, name)!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"): bad("dtype", "must be auto, float32, bfloat16 or float16")
-        for name in ("page_size", "max_running_requests", "prefill_budget"):
+        for name in ("page_size",):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1: bad(name, "must be an int >= 1")
-        for name in ("num_pages", "max_seq_len"):
+        for name in ("num_pages", "max_seq_len", "max_running_requests", "prefill_budget"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1): bad(name, "must be an int >= 1 or None")
         if self.kv_memory_gb is not None and self.kv_memory_gb <= 0: bad("kv_memory_gb", "must be > 0")
@@ -58,9 +58,14 @@ class EngineArgs:
 
 # %% ../nbs/11_llm.ipynb #c487ff4b
 @patch
-def scheduler_config(self: EngineArgs) -> SchedulerConfig:
-    return SchedulerConfig(max_running_reqs=self.max_running_requests, prefill_budget=self.prefill_budget,
-                           cache=self.cache, overlap=self.overlap, schedule_policy=self.schedule_policy)
+def scheduler_config(self: EngineArgs, engine=None) -> SchedulerConfig:
+    "The scheduler's config: what these args set, else the limits `engine` fitted to the machine, else the scheduler's defaults."
+    fixed = SchedulerConfig()
+    limits = getattr(engine, 'limits', None)   # the toy engine measures nothing
+    rows = limits.max_running_reqs if limits else self.max_running_requests or fixed.max_running_reqs
+    budget = self.prefill_budget or (limits.prefill_budget if limits else fixed.prefill_budget)
+    return SchedulerConfig(max_running_reqs=rows, prefill_budget=budget, cache=self.cache, overlap=self.overlap,
+                           schedule_policy=self.schedule_policy)
 
 @patch(as_prop=True)
 def model_name(self: EngineArgs) -> str:
@@ -77,7 +82,8 @@ def make_engine(args: EngineArgs, tokenizer=None):
         from minisgl.scheduler import ToyEngine
         vocab = len(tokenizer) if tokenizer is not None else 49152
         seq = args.max_seq_len or 2048
-        pages = args.num_pages or -(-(args.max_running_requests + 1) * seq // args.page_size)   # every slot can fill its context
+        rows = args.max_running_requests or SchedulerConfig().max_running_reqs
+        pages = args.num_pages or -(-(rows + 1) * seq // args.page_size)   # every slot can fill its context
         kw = dict(num_pages=pages, page_size=args.page_size, max_seq_len=seq)
         eos = [tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else [0]
         return ToyEngine(vocab_size=vocab, eos_token_ids=eos, device="cpu" if args.device == "auto" else args.device, **kw)
@@ -147,7 +153,8 @@ class LLM:
         self.info = engine_info(self.engine, self.tokenizer)
         detok = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)
         # outputs are consumed from step()'s return value; the default send_fn would keep them all
-        self.scheduler = Scheduler(self.engine, self.args.scheduler_config(), send_fn=lambda outputs: None, detokenize=detok)
+        self.scheduler = Scheduler(self.engine, self.args.scheduler_config(self.engine), send_fn=lambda outputs: None,
+                                   detokenize=detok)
         self.worker = TokenizerWorker(self.tokenizer, self.info)
         self._uids = itertools.count(1)
 

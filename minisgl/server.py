@@ -132,13 +132,14 @@ def run_scheduler_worker(names: IPCNames, args: EngineArgs, rank: int = 0, tp_si
         try:
             tok = load_tokenizer(args.model)
             engine = StatsEngine(make_engine(args, tok))
-            info = engine_info(engine, tok)
+            config = args.scheduler_config(engine)   # the limits the engine fitted, unless args set them
+            info = engine_info(engine, tok) | dict(max_running_reqs=config.max_running_reqs, prefill_budget=config.prefill_budget)
         except Exception as e:
             logger.exception("the scheduler failed to load the model")
             send(Ready({"error": f"{type(e).__name__}: {e}"})); return
         detok = lambda ids: tok.decode(ids, skip_special_tokens=True)
         io = _SchedulerIO(inbox, send, engine, parent)
-        sched = io.sched = Scheduler(engine, args.scheduler_config(), recv_fn=io.recv_fn, send_fn=io.send_fn, detokenize=detok)
+        sched = io.sched = Scheduler(engine, config, recv_fn=io.recv_fn, send_fn=io.send_fn, detokenize=detok)
         send(Ready(info))
         io.push_stats(force=True)
         try: (sched.overlap_loop if args.overlap else sched.normal_loop)()
@@ -199,8 +200,6 @@ class ServerArgs(EngineArgs):
             raise ValueError(f"max_queued_requests: must be an int >= 0, got {self.max_queued_requests!r}")
         if not 0 <= self.port < 65536: raise ValueError(f"port: must be in [0, 65535], got {self.port!r}")
 
-    @property
-    def capacity(self) -> int: return self.max_running_requests + self.max_queued_requests
 
     def engine_args(self) -> EngineArgs:
         return EngineArgs(**{k: v for k, v in asdict(self).items() if k in EngineArgs.__dataclass_fields__})
@@ -339,11 +338,11 @@ async def submit(self: Frontend, req, prompts=None, messages=None) -> tuple[list
         raise APIError(f"model {req.model!r} does not exist; this server serves {self.model_name!r}",
                        param="model", status=400, code="model_not_found")
     count = (len(prompts) if prompts is not None else 1) * req.n
-    if len(self.pending) + count > self.args.capacity:
-        raise APIError(f"server busy: {len(self.pending)} choices in flight, limit {self.args.capacity} "
-                       f"(max_running_requests {self.args.max_running_requests} + max_queued_requests "
-                       f"{self.args.max_queued_requests}); retry later", status=429, type="rate_limit_error",
-                       code="queue_full")
+    running = self.info.get("max_running_reqs", self.args.max_running_requests or 0)   # the worker's choice, once ready
+    if len(self.pending) + count > running + self.args.max_queued_requests:
+        raise APIError(f"server busy: {len(self.pending)} choices in flight, limit {running + self.args.max_queued_requests} "
+                       f"(max_running_requests {running} + max_queued_requests {self.args.max_queued_requests}); "
+                       "retry later", status=429, type="rate_limit_error", code="queue_full")
     uids, q = [next(self.uids) for _ in range(count)], asyncio.Queue()
     for i, u in enumerate(uids): self.pending[u] = (q, i)
     fut = self.waiters[uids[0]] = asyncio.get_running_loop().create_future()

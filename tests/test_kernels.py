@@ -139,6 +139,29 @@ def test_cpu_head_dims_fp16_and_strided_q(D):
         assert_matches(run("extend_attention", case, "cpu", 33), sdpa_reference(**case, sliding_window=33), dtype)
 
 
+BF16_DOT = HAS_EXT and K._ext().cpu_isa() == "avx512bf16"
+
+
+@needs_ext
+@pytest.mark.parametrize("D", [64, 80, 128])
+@pytest.mark.parametrize("Hq,Hkv", [(8, 1), (6, 2), (5, 5)])
+def test_cpu_bf16_bodies_tight(D, Hq, Hkv):
+    """bf16 caches: on a CPU with AVX512-BF16 the kernels multiply bf16 pairs (`vdpbf16ps`) and round P to bf16;
+    the error must stay near bf16's own rounding of the output (8e-3, four times tighter than the sweep's bound),
+    at every tile edge (16 / 32 / 64 keys), for head dims that are not a multiple of 64 (80: masked tails), GQA
+    groups above the 4 heads a decode block holds (8), windows, and q as a strided view."""
+    print("cpu kernels:", K._ext().cpu_isa())
+    lens = [1, 15, 16, 17, 31, 32, 33, 63, 64, 65, 129, 300]
+    for window in (-1, 7, 40):
+        case = make_case(D + Hq, lens, page=16, Hq=Hq, Hkv=Hkv, D=D, dtype=torch.bfloat16, strided_q=True)
+        torch.testing.assert_close(run("decode_attention", case, "cpu", window).float(),
+                                   sdpa_reference(**case, sliding_window=window), atol=8e-3, rtol=8e-3)
+        exts = [1, 15, 3, 17, 31, 1, 33, 40, 64, 2, 129, 100]  # prefills and extends over a cached prefix
+        case = make_case(D + Hkv, lens, exts, page=16, Hq=Hq, Hkv=Hkv, D=D, dtype=torch.bfloat16, strided_q=True)
+        torch.testing.assert_close(run("extend_attention", case, "cpu", window).float(),
+                                   sdpa_reference(**case, sliding_window=window), atol=8e-3, rtol=8e-3)
+
+
 @needs_ext
 def test_cpu_decode_long_single_request_splits_keys():
     "One long request in a small batch is split into key chunks across threads; the merge must be exact."
@@ -180,11 +203,13 @@ def _variant_check():
 
 
 @needs_ext
-@pytest.mark.parametrize("isa", ["avx2", "baseline"])
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "baseline"])
 def test_cpu_narrower_isa_variants(isa):
-    "The kernels are compiled for AVX-512, AVX2 and baseline x86-64; check the variants this CPU would skip."
-    if K._ext().cpu_isa() == "baseline" and isa == "avx2":
-        pytest.skip("this CPU has no AVX2")
+    """The kernels are compiled for AVX512-BF16 (bf16 caches only), AVX-512, AVX2 and baseline x86-64; check the
+    variants this CPU would skip (avx512: the fp32 bodies over bf16 caches, what a CPU without AVX512-BF16 runs)."""
+    order = ["baseline", "avx2", "avx512", "avx512bf16"]
+    if order.index(K._ext().cpu_isa()) <= order.index(isa):
+        pytest.skip(f"this CPU's kernels are {K._ext().cpu_isa()}: the {isa} variant is what the other tests run")
     code = "import sys; sys.path.insert(0, 'tests'); import test_kernels; test_kernels._variant_check()"
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "MINISGL_CPU_ISA": isa},
                           capture_output=True, text=True, timeout=300)

@@ -19,7 +19,8 @@
 //
 // ISA: the task bodies are templates instantiated inside wrappers compiled for AVX-512, AVX2 and the
 // baseline (GCC/Clang `target` + `flatten`), and the best one is chosen once at run time, so the wheel
-// stays portable while the hot loops use the widest vectors the machine has.
+// stays portable while the hot loops use the widest vectors the machine has. bf16 caches on a CPU with
+// AVX512-BF16 take the bodies of attention_bf16.h instead (bf16 dot products, no widening of K/V).
 //
 // Trust: table rows, lengths and extend lengths are checked here; the slots stored in the page table are
 // not (that would cost a pass over every position) -- they come from the scheduler's allocator.
@@ -33,6 +34,10 @@
 #include <numeric>
 #include <string>
 #include <vector>
+
+#if defined(__GNUC__) && defined(__x86_64__)
+#include <immintrin.h>  // the AVX512-BF16 bodies (attention_bf16.h, included below inside the namespace)
+#endif
 
 #include "../common.h"
 #include "../ops.h"
@@ -70,9 +75,12 @@ inline int64_t slot_at(const Args& a, int64_t row, int64_t pos) {
 struct Scratch {
   std::vector<float> q, acc, m, l, kt, vt, s, row, zero;  // zero: a row of D zeros (padding keys)
   std::vector<int> jlo, jhi;
+  std::vector<uint16_t> h;  // bf16 kernels: queries, P, and a zero row at the end (attention_bf16.h)
+  std::vector<uint32_t> w;  // bf16 kernels: the K and V tiles in pairs layout
   Scratch(int64_t M, int64_t D, int64_t G)
       : q(M * D), acc(M * pad(D)), m(M), l(M), kt(D * kTileK), vt(kTileK * pad(D)),
-        s(std::max<int64_t>(G * kDecodeTile, M * kTileK)), row(D), zero(D, 0.f), jlo(M), jhi(M) {}
+        s(std::max<int64_t>(G * kDecodeTile, M * kTileK)), row(D), zero(D, 0.f), jlo(M), jhi(M),
+        h(M * D + M * kTileK + pad(D)), w(kTileK * D / 2 + kTileK / 2 * pad(D)) {}
   static int64_t pad(int64_t D) { return (D + 63) / 64 * 64; }
 };
 
@@ -239,6 +247,10 @@ inline void extend_task(const Args& a, int64_t q_begin, int64_t row, int64_t L, 
     }
 }
 
+#if defined(__GNUC__) && defined(__x86_64__)
+#include "attention_bf16.h"
+#endif
+
 // ---------------------------------------------------------------- ISA variants
 struct DecodeTask { int64_t b, row, h, k0, k1, part; };
 struct ExtendTask { int64_t q_begin, row, L, ext, h, i0, i1; };
@@ -305,14 +317,24 @@ MINISGL_DEFINE_VARIANTS(float, f32)
 MINISGL_DEFINE_VARIANTS(c10::BFloat16, bf16)
 MINISGL_DEFINE_VARIANTS(c10::Half, f16)
 
+#ifdef MINISGL_X86
+// bf16 caches on a CPU with AVX512-BF16: the task bodies of attention_bf16.h (even head_dim only).
+MINISGL_TARGET_BF16 void decode_bf16_dot(const Args& a, const DecodeTask& t, float* p, Scratch& sc) {
+  bf16::decode_task(a, t.b, t.row, t.h, t.k0, t.k1, p + t.part * a.G * (a.D + 2), sc);
+}
+MINISGL_TARGET_BF16 void extend_bf16_dot(const Args& a, const ExtendTask& t, Scratch& sc) {
+  bf16::extend_task(a, t.q_begin, t.row, t.L, t.ext, t.h, t.i0, t.i1, sc);
+}
+#endif
+
 using DecodeFn = void (*)(const Args&, const DecodeTask&, float*, Scratch&);
 using ExtendFn = void (*)(const Args&, const ExtendTask&, Scratch&);
 
-enum class Isa { base, avx2, avx512 };
+enum class Isa { base, avx2, avx512, avx512bf16 };
 
 Isa best_isa() {
 #ifdef MINISGL_X86
-  // MINISGL_CPU_ISA=avx2|baseline caps the choice (to test the narrower variants on a wide machine).
+  // MINISGL_CPU_ISA=avx512|avx2|baseline caps the choice (to test the narrower variants on a wide machine).
   static const Isa isa = [] {
     __builtin_cpu_init();
     const char* cap = std::getenv("MINISGL_CPU_ISA");
@@ -320,6 +342,8 @@ Isa best_isa() {
     const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
     const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    if (avx512 && __builtin_cpu_supports("avx512bf16") && (want.empty() || want == "avx512bf16"))
+      return Isa::avx512bf16;
     if (avx512 && want != "avx2" && want != "baseline") return Isa::avx512;
     if (avx2 && want != "baseline") return Isa::avx2;
     return Isa::base;
@@ -332,20 +356,35 @@ Isa best_isa() {
 
 #ifdef MINISGL_X86
 #define MINISGL_PICK(kind, suffix)                                 \
-  (best_isa() == Isa::avx512 ? kind##_##suffix##_avx512            \
+  (best_isa() >= Isa::avx512 ? kind##_##suffix##_avx512            \
    : best_isa() == Isa::avx2 ? kind##_##suffix##_avx2              \
                              : kind##_##suffix##_base)
 #else
 #define MINISGL_PICK(kind, suffix) kind##_##suffix##_base
 #endif
 
-DecodeFn pick_decode(at::ScalarType dt) {
+// Whether bf16 attention over head_dim D runs the AVX512-BF16 bodies (bf16 dot products) on this machine.
+bool bf16_dot(int64_t D) {
+#ifdef MINISGL_X86
+  return best_isa() == Isa::avx512bf16 && D % 2 == 0;
+#else
+  return false;
+#endif
+}
+
+DecodeFn pick_decode(at::ScalarType dt, int64_t D) {
   if (dt == at::kFloat) return MINISGL_PICK(decode, f32);
+#ifdef MINISGL_X86
+  if (dt == at::kBFloat16 && bf16_dot(D)) return decode_bf16_dot;
+#endif
   if (dt == at::kBFloat16) return MINISGL_PICK(decode, bf16);
   return MINISGL_PICK(decode, f16);
 }
-ExtendFn pick_extend(at::ScalarType dt) {
+ExtendFn pick_extend(at::ScalarType dt, int64_t D) {
   if (dt == at::kFloat) return MINISGL_PICK(extend, f32);
+#ifdef MINISGL_X86
+  if (dt == at::kBFloat16 && bf16_dot(D)) return extend_bf16_dot;
+#endif
   if (dt == at::kBFloat16) return MINISGL_PICK(extend, bf16);
   return MINISGL_PICK(extend, f16);
 }
@@ -416,6 +455,7 @@ void run_dynamic(int64_t ntasks, int64_t macs, int64_t max_M, int64_t D, int64_t
 
 std::string isa_name() {
   switch (best_isa()) {
+    case Isa::avx512bf16: return "avx512bf16";
     case Isa::avx512: return "avx512";
     case Isa::avx2: return "avx2";
     default: return "baseline";
@@ -489,7 +529,7 @@ DecodeAttentionPlan::DecodeAttentionPlan(const at::Tensor& q, const at::Tensor& 
   at::Tensor o = out;
   p.a = make_args(q, k_cache, v_cache, page_table, scale, sliding_window, o);
   p.dtype = q.scalar_type();
-  p.fn = pick_decode(p.dtype);
+  p.fn = pick_decode(p.dtype, p.a.D);
   for (int64_t b = 0; b < p.B; ++b) TORCH_CHECK(lens[b] >= 1, "seq_lens[", b, "] must be >= 1 for decode");
   // Split long requests into key chunks when there are too few (request, head) pairs to feed every thread.
   const Args& a = p.a;
@@ -611,7 +651,7 @@ at::Tensor extend_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cach
   };
   std::stable_sort(tasks.begin(), tasks.end(),
                    [&](const ExtendTask& x, const ExtendTask& y) { return task_cost(x) > task_cost(y); });
-  const ExtendFn fn = pick_extend(q.scalar_type());
+  const ExtendFn fn = pick_extend(q.scalar_type(), a.D);
   int64_t pairs = 0;
   for (const auto& t : tasks) pairs += task_cost(t);
   run_dynamic(static_cast<int64_t>(tasks.size()), pairs * G * a.D, block * G, a.D, G,

@@ -1,0 +1,325 @@
+// attention_bf16.h -- the bf16 task bodies of attention.cpp for CPUs with AVX512-BF16 (included there, inside its
+// anonymous namespace: Args, Scratch, slot_at, kTileK, kDecodeTile come from attention.cpp).
+//
+// The fp32 bodies widen every K/V element to fp32 and multiply-add 16 lanes per instruction. `vdpbf16ps`
+// multiplies 32 bf16 pairs into 16 fp32 sums per instruction and needs no widening, so here the caches are read
+// as they are and only the softmax stays in fp32:
+//   extend: S = Q K^T with K gathered into the pairs layout of the packed linear (csrc/cpu/gemm_bf16.cpp):
+//           a 64-byte line holds dims (2p, 2p+1) of 16 keys, multiplied by a broadcast pair (q[2p], q[2p+1]);
+//           an R x 4 block of accumulators gives 4 rows x 64 keys of scores. P is rounded to bf16 (as flash
+//           attention does on GPUs) and acc += P V uses V gathered as key pairs: a line holds keys (2k, 2k+1)
+//           of 16 dims, multiplied by the broadcast pair (p[2k], p[2k+1]).
+//   decode: one query per head, so K is not worth regathering: a K row's dot with q is 2 `vdpbf16ps` per 64
+//           dims (D / 32), and 16 keys' partial-sum vectors are reduced by the transposing tree of vec.h;
+//           acc += P V interleaves two V rows into key pairs on the fly (`vpermt2w`), shared by up to 4 heads.
+// Accumulation is fp32 throughout; the scores are scaled in fp32 after the bf16 dot (q stays exact).
+#pragma once
+// <immintrin.h> is included at the top of attention.cpp (not here: this file is included inside a namespace).
+
+#define MINISGL_TARGET_BF16 \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")))
+
+namespace bf16 {
+
+inline int32_t pair_at(const uint16_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// Word i of lo / hi = (a[i], b[i]) / (a[16 + i], b[16 + i]) for two rows a, b of 32 bf16: key pairs per dim.
+MINISGL_TARGET_BF16 inline void interleave(__m512i a, __m512i b, __m512i& lo, __m512i& hi) {
+  alignas(64) static const uint16_t kLo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                               8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static const uint16_t kHi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                               24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  lo = _mm512_permutex2var_epi16(a, _mm512_load_si512(kLo), b);
+  hi = _mm512_permutex2var_epi16(a, _mm512_load_si512(kHi), b);
+}
+
+inline __mmask32 tail_mask(int n) { return n >= 32 ? ~__mmask32(0) : n <= 0 ? 0 : (__mmask32(1) << n) - 1; }
+// Lanes [lo, hi) of 16 (clamped to 0..16).
+inline __mmask16 range16(int lo, int hi) { return static_cast<__mmask16>(tail_mask(std::min(hi, 16)) & ~tail_mask(lo)); }
+
+// ---------------------------------------------------------------- extend
+// S[r, 16 (c0 + c) + j] = scale * <q_r, k_{16 (c0 + c) + j}> for r < R, c < NC. q: bf16 rows [R][D];
+// kp: the K tile as [kTileK / 16][D / 2][16] words (word = dims 2p, 2p + 1 of one key).
+template <int R, int NC>
+MINISGL_TARGET_BF16 inline void qk_block(const uint16_t* q, int D, const uint32_t* kp, int c0, float scale, float* S) {
+  const int D2 = D / 2;
+  __m512 acc[R][NC];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int p = 0; p < D2; ++p) {
+    __m512bh k[NC];
+    for (int c = 0; c < NC; ++c) k[c] = (__m512bh)_mm512_loadu_si512(kp + ((c0 + c) * D2 + p) * 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh qv = (__m512bh)_mm512_set1_epi32(pair_at(q + r * D + 2 * p));
+      for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], qv, k[c]);
+    }
+  }
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(S + r * kTileK + (c0 + c) * 16, _mm512_mul_ps(acc[r][c], sc));
+}
+
+template <int R>
+MINISGL_TARGET_BF16 inline void qk_rows(const uint16_t* q, int D, const uint32_t* kp, int c0, int c1, float scale,
+                                        float* S) {
+  switch (c1 - c0) {
+    case 1: return qk_block<R, 1>(q, D, kp, c0, scale, S);
+    case 2: return qk_block<R, 2>(q, D, kp, c0, scale, S);
+    case 3: return qk_block<R, 3>(q, D, kp, c0, scale, S);
+    default: return qk_block<R, 4>(q, D, kp, c0, scale, S);
+  }
+}
+
+// acc[r, d0 .. d0 + 64) += sum over key pairs k in [k0, k1) of P[r, 2k .. 2k + 1] . V[2k .. 2k + 1, d0 .. d0 + 64)
+// for r < R. P: bf16 [R][kTileK]; vp: the V tile as [kTileK / 2][Dp] words (word = keys 2k, 2k + 1 of one dim).
+template <int R>
+MINISGL_TARGET_BF16 inline void pv_block(const uint16_t* P, const uint32_t* vp, int Dp, int k0, int k1, int d0,
+                                         float* acc) {
+  __m512 o[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) o[r][c] = _mm512_loadu_ps(acc + r * Dp + d0 + 16 * c);
+  for (int k = k0; k < k1; ++k) {
+    __m512bh v[4];
+    for (int c = 0; c < 4; ++c) v[c] = (__m512bh)_mm512_loadu_si512(vp + k * Dp + d0 + 16 * c);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh pv = (__m512bh)_mm512_set1_epi32(pair_at(P + r * kTileK + 2 * k));
+      for (int c = 0; c < 4; ++c) o[r][c] = _mm512_dpbf16_ps(o[r][c], pv, v[c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + r * Dp + d0 + 16 * c, o[r][c]);
+}
+
+// One (request, kv head, query block) task, as extend_task in attention.cpp (same visibility rule, same tiles).
+MINISGL_TARGET_BF16 void extend_task(const Args& a, int64_t q_begin, int64_t row, int64_t L, int64_t ext, int64_t h,
+                                     int64_t i0, int64_t i1, Scratch& sc) {
+  constexpr int R = 4;
+  const int D = static_cast<int>(a.D), D2 = D / 2, Dp = (D + 63) / 64 * 64;
+  const int G = static_cast<int>(a.G), nq = static_cast<int>(i1 - i0), M = nq * G;
+  float *acc = sc.acc.data(), *m = sc.m.data(), *l = sc.l.data(), *S = sc.s.data();
+  uint16_t* qb = sc.h.data();            // [M][D]
+  uint16_t* pb = qb + M * D;             // [M][kTileK]
+  uint32_t* kp = sc.w.data();            // [kTileK / 16][D2][16]
+  uint32_t* vp = kp + kTileK * D2;       // [kTileK / 2][Dp]
+  int *jlo = sc.jlo.data(), *jhi = sc.jhi.data();
+  const uint16_t* q = static_cast<const uint16_t*>(a.q);
+  for (int i = 0; i < nq; ++i)
+    for (int g = 0; g < G; ++g)
+      std::memcpy(qb + (i * G + g) * D, q + (q_begin + i0 + i) * a.q_s0 + (h * G + g) * a.q_s1, 2 * D);
+  std::fill(acc, acc + M * Dp, 0.f);
+  std::fill(m, m + M, kNegInf);
+  std::fill(l, l + M, 0.f);
+  const int64_t p_first = L - ext + i0, p_last = L - ext + i1 - 1;
+  const int64_t k_lo = a.window > 0 ? std::max<int64_t>(0, p_first - a.window + 1) : 0;
+  const int64_t k_hi = p_last + 1;
+  const uint16_t* kc = static_cast<const uint16_t*>(a.k) + h * a.k_s1;
+  const uint16_t* vc = static_cast<const uint16_t*>(a.v) + h * a.v_s1;
+  const uint16_t* zero = sc.h.data() + sc.h.size() - Dp;  // a row of zeros (padding keys)
+  const __mmask32 last = tail_mask(D % 32 == 0 ? 32 : D % 32);
+  for (int64_t t0 = k_lo; t0 < k_hi; t0 += kTileK) {
+    const int n = static_cast<int>(std::min<int64_t>(kTileK, k_hi - t0));
+    const int n16 = (n + 15) / 16 * 16;
+    const uint16_t* rows[kTileK];
+    for (int j = 0; j < n; ++j) rows[j] = kc + slot_at(a, row, t0 + j) * a.k_s0;
+    for (int j = 0; j < n16; ++j) {  // K as dim pairs of 16 keys; padding keys are zero
+      uint32_t* dst = kp + (j / 16) * D2 * 16 + j % 16;
+      if (j < n)
+        for (int p = 0; p < D2; ++p) std::memcpy(dst + p * 16, rows[j] + 2 * p, 4);
+      else
+        for (int p = 0; p < D2; ++p) dst[p * 16] = 0;
+    }
+    for (int j = 0; j < n; ++j) rows[j] = vc + slot_at(a, row, t0 + j) * a.v_s0;
+    for (int j = n; j < n16; ++j) rows[j] = zero;
+    for (int k = 0; k < n16 / 2; ++k)  // V as key pairs of each dim
+      for (int d0 = 0; d0 < D; d0 += 32) {
+        const __mmask32 mk = d0 + 32 <= D ? ~__mmask32(0) : last;
+        __m512i lo, hi;
+        interleave(_mm512_maskz_loadu_epi16(mk, rows[2 * k] + d0), _mm512_maskz_loadu_epi16(mk, rows[2 * k + 1] + d0),
+                   lo, hi);
+        _mm512_storeu_si512(vp + k * Dp + d0, lo);
+        _mm512_storeu_si512(vp + k * Dp + d0 + 16, hi);
+      }
+    for (int k = 0; k < n16 / 2 && D % 64 != 0; ++k)  // the dims [ceil32(D), Dp) weigh nothing
+      for (int d = (D + 31) / 32 * 32; d < Dp; ++d) vp[k * Dp + d] = 0;
+    for (int i = 0; i < nq; ++i) {
+      const int64_t p = p_first + i;
+      const int64_t lo = a.window > 0 ? std::max<int64_t>(0, p - a.window + 1) : 0;
+      const int lo_j = static_cast<int>(std::min<int64_t>(std::max<int64_t>(lo - t0, 0), n));
+      const int hi_j = static_cast<int>(std::min<int64_t>(p - t0 + 1, n));
+      for (int g = 0; g < G; ++g) {
+        jlo[i * G + g] = lo_j;
+        jhi[i * G + g] = std::max(lo_j, hi_j);
+      }
+    }
+    for (int rb = 0; rb < M; rb += R) {
+      const int rows_b = std::min(R, M - rb);
+      int ulo = kTileK, uhi = 0;
+      for (int r = rb; r < rb + rows_b; ++r)
+        if (jlo[r] < jhi[r]) {
+          ulo = std::min(ulo, jlo[r]);
+          uhi = std::max(uhi, jhi[r]);
+        }
+      if (ulo >= uhi) continue;  // no row of this block sees this tile
+      const int c0 = ulo / 16, c1 = (uhi + 15) / 16;
+      const uint16_t* qr = qb + rb * D;
+      float* Sb = S + rb * kTileK;
+      switch (rows_b) {
+        case 1: qk_rows<1>(qr, D, kp, c0, c1, a.scale, Sb); break;
+        case 2: qk_rows<2>(qr, D, kp, c0, c1, a.scale, Sb); break;
+        case 3: qk_rows<3>(qr, D, kp, c0, c1, a.scale, Sb); break;
+        default: qk_rows<4>(qr, D, kp, c0, c1, a.scale, Sb); break;
+      }
+      for (int r = rb; r < rb + rows_b; ++r) {
+        float* sr = S + r * kTileK;
+        const int lo = jlo[r], hi = jhi[r];
+        if (lo < hi) {
+          const float mnew = std::max(m[r], max_of(sr + lo, hi - lo));
+          const float alpha = std::exp(m[r] - mnew);
+          l[r] = l[r] * alpha + exp_sum(sr + lo, mnew, hi - lo);
+          if (alpha != 1.f) scale_row<0>(acc + r * Dp, alpha, Dp);
+          m[r] = mnew;
+        }
+        uint16_t* pr = pb + r * kTileK;
+        for (int c = c0; c < c1; ++c) {  // P in bf16, zero outside the row's visible keys
+          const int j0 = 16 * c;
+          const __mmask16 vis = range16(lo - j0, hi - j0);
+          const __m512 pv = _mm512_maskz_loadu_ps(vis, sr + j0);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j0), (__m256i)_mm512_cvtneps_pbh(pv));
+        }
+      }
+      for (int d0 = 0; d0 < Dp; d0 += 64) {
+        const uint16_t* P = pb + rb * kTileK;
+        float* ar = acc + rb * Dp;
+        switch (rows_b) {
+          case 1: pv_block<1>(P, vp, Dp, 8 * c0, 8 * c1, d0, ar); break;
+          case 2: pv_block<2>(P, vp, Dp, 8 * c0, 8 * c1, d0, ar); break;
+          case 3: pv_block<3>(P, vp, Dp, 8 * c0, 8 * c1, d0, ar); break;
+          default: pv_block<4>(P, vp, Dp, 8 * c0, 8 * c1, d0, ar); break;
+        }
+      }
+    }
+  }
+  c10::BFloat16* out = static_cast<c10::BFloat16*>(a.out);
+  for (int i = 0; i < nq; ++i)
+    for (int g = 0; g < G; ++g) {
+      const int r = i * G + g;
+      from_f32(acc + r * Dp, out + ((q_begin + i0 + i) * a.Hq + h * G + g) * D, D, 1.f / l[r]);
+    }
+}
+
+// ---------------------------------------------------------------- decode
+// s[j] = scale * <q, rows[j]> for j < 16: per key D / 32 `vdpbf16ps` into one vector, then the tree of vec.h.
+MINISGL_TARGET_BF16 inline void dots16(const uint16_t* q, const uint16_t* const* rows, float* s, int D, float scale,
+                                       __mmask32 last) {
+  using V = VecT<16>::type;
+  V p[16];
+  for (int j = 0; j < 16; ++j) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int d0 = 0; d0 < D; d0 += 32) {
+      const __mmask32 mk = d0 + 32 <= D ? ~__mmask32(0) : last;
+      acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_maskz_loadu_epi16(mk, q + d0),
+                             (__m512bh)_mm512_maskz_loadu_epi16(mk, rows[j] + d0));
+    }
+    p[j] = (V)acc;
+  }
+  fold_all<16, 8>(p, 16);
+  _mm512_storeu_ps(s, _mm512_mul_ps((__m512)p[0], _mm512_set1_ps(scale)));
+}
+
+// acc[g, d0 .. d0 + 32) += sum over key pairs k < npairs of P[g, 2k .. 2k + 1] . V[2k .. 2k + 1, d0 .. d0 + 32)
+// for g < GB; P: bf16 rows of kDecodeTile, acc: fp32 rows of D (the last chunk masked).
+template <int GB>
+MINISGL_TARGET_BF16 inline void pv_decode(const uint16_t* P, const uint16_t* const* rows, int npairs, int d0, int D,
+                                          float* acc) {
+  const int valid = std::min(32, D - d0);
+  const __mmask32 mk = tail_mask(valid);
+  const __mmask16 mlo = static_cast<__mmask16>(tail_mask(std::min(valid, 16)));
+  const __mmask16 mhi = static_cast<__mmask16>(valid > 16 ? tail_mask(valid - 16) : 0);
+  __m512 lo[GB], hi[GB];
+  for (int g = 0; g < GB; ++g) {
+    lo[g] = _mm512_maskz_loadu_ps(mlo, acc + g * D + d0);
+    hi[g] = _mm512_maskz_loadu_ps(mhi, acc + g * D + d0 + 16);
+  }
+  for (int k = 0; k < npairs; ++k) {
+    __m512i vlo, vhi;
+    interleave(_mm512_maskz_loadu_epi16(mk, rows[2 * k] + d0), _mm512_maskz_loadu_epi16(mk, rows[2 * k + 1] + d0),
+               vlo, vhi);
+    for (int g = 0; g < GB; ++g) {
+      const __m512bh pv = (__m512bh)_mm512_set1_epi32(pair_at(P + g * kDecodeTile + 2 * k));
+      lo[g] = _mm512_dpbf16_ps(lo[g], pv, (__m512bh)vlo);
+      hi[g] = _mm512_dpbf16_ps(hi[g], pv, (__m512bh)vhi);
+    }
+  }
+  for (int g = 0; g < GB; ++g) {
+    _mm512_mask_storeu_ps(acc + g * D + d0, mlo, lo[g]);
+    _mm512_mask_storeu_ps(acc + g * D + d0 + 16, mhi, hi[g]);
+  }
+}
+
+// One (request, kv head, key range) task, as decode_task in attention.cpp: part = [m[G], l[G], acc[G][D]].
+MINISGL_TARGET_BF16 void decode_task(const Args& a, int64_t b, int64_t row, int64_t h, int64_t k0, int64_t k1,
+                                     float* part, Scratch& sc) {
+  const int D = static_cast<int>(a.D), G = static_cast<int>(a.G);
+  float* m = part;
+  float* l = part + G;
+  float* acc = part + 2 * G;
+  float* s = sc.s.data();                                   // [G][kDecodeTile]
+  uint16_t* pb = sc.h.data();                               // [G][kDecodeTile]
+  const uint16_t* zero = sc.h.data() + sc.h.size() - ((D + 63) / 64 * 64);
+  const uint16_t* qb = static_cast<const uint16_t*>(a.q) + b * a.q_s0 + h * G * a.q_s1;
+  const __mmask32 last = tail_mask(D % 32 == 0 ? 32 : D % 32);
+  for (int g = 0; g < G; ++g) {
+    m[g] = kNegInf;
+    l[g] = 0.f;
+  }
+  std::fill(acc, acc + G * D, 0.f);
+  const uint16_t* kc = static_cast<const uint16_t*>(a.k) + h * a.k_s1;
+  const uint16_t* vc = static_cast<const uint16_t*>(a.v) + h * a.v_s1;
+  int64_t slots[kDecodeTile];
+  const uint16_t* rows[kDecodeTile];
+  for (int64_t t0 = k0; t0 < k1; t0 += kDecodeTile) {
+    const int n = static_cast<int>(std::min<int64_t>(kDecodeTile, k1 - t0));
+    const int n16 = (n + 15) / 16 * 16;
+    for (int j = 0; j < n; ++j) slots[j] = slot_at(a, row, t0 + j);
+    for (int64_t j = t0 + kDecodeTile, end = std::min(k1, t0 + 2 * kDecodeTile); j < end; ++j) {
+      const int64_t next = slot_at(a, row, j);  // page boundaries defeat the hardware prefetcher
+      prefetch_row(kc + next * a.k_s0, D);
+      prefetch_row(vc + next * a.v_s0, D);
+    }
+    for (int j = 0; j < n; ++j) rows[j] = kc + slots[j] * a.k_s0;
+    for (int j = n; j < n16; ++j) rows[j] = zero;
+    for (int g = 0; g < G; ++g)
+      for (int j0 = 0; j0 < n16; j0 += 16) dots16(qb + g * a.q_s1, rows + j0, s + g * kDecodeTile + j0, D, a.scale, last);
+    for (int g = 0; g < G; ++g) {
+      float* sg = s + g * kDecodeTile;
+      const float mnew = std::max(m[g], max_of(sg, n));
+      const float alpha = std::exp(m[g] - mnew);  // 0 on the first tile (m = -inf)
+      l[g] = l[g] * alpha + exp_sum(sg, mnew, n);
+      if (alpha != 1.f) scale_row<0>(acc + g * D, alpha, D);
+      m[g] = mnew;
+      for (int j0 = 0; j0 < n16; j0 += 16) {  // P in bf16, zero for the padding keys
+        const __mmask16 vis = range16(0, n - j0);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + g * kDecodeTile + j0),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(vis, sg + j0)));
+      }
+    }
+    for (int j = 0; j < n; ++j) rows[j] = vc + slots[j] * a.v_s0;
+    for (int d0 = 0; d0 < D; d0 += 32)
+      for (int g0 = 0; g0 < G; g0 += 4) {
+        const uint16_t* P = pb + g0 * kDecodeTile;
+        float* ag = acc + g0 * D;
+        switch (std::min(4, G - g0)) {
+          case 1: pv_decode<1>(P, rows, (n + 1) / 2, d0, D, ag); break;
+          case 2: pv_decode<2>(P, rows, (n + 1) / 2, d0, D, ag); break;
+          case 3: pv_decode<3>(P, rows, (n + 1) / 2, d0, D, ag); break;
+          default: pv_decode<4>(P, rows, (n + 1) / 2, d0, D, ag); break;
+        }
+      }
+  }
+}
+
+}  // namespace bf16
