@@ -9,7 +9,8 @@ Each variant runs in its own process (the ISA is fixed when the extension loads)
   prefill L     one prompt of L tokens, causal (chunk 1 of a prefill)
   extend 256+L  256 new tokens over a cached context of L (a later chunk of a chunked prefill)
   decode BxL    B requests of context L, one query each (B=1: a long decode split over key chunks)
-Figures: ms per call and GFLOP/s (4 * Hq * D multiply-adds x 2 per visible (query, key) pair)."""
+Figures: ms per call and GFLOP/s (4 * Hq * D multiply-adds x 2 per visible (query, key) pair). Decode runs the
+fp32 bodies in both variants (a bf16 decode body measured no faster): its rows show the noise of the machine."""
 from __future__ import annotations
 
 import argparse

@@ -5,8 +5,11 @@ Each run starts a server on a free loopback port (the embedded model, bf16; llam
 to the concurrency and a context of 1024 tokens per slot), sends `--requests` completions of random-word prompts
 of 40-300 words with `--new-tokens` new tokens each (EOS ignored), at most `--concurrency` at a time, streaming,
 and measures on the client: TTFT = first streamed token - request sent; ITL = the gaps between a request's
-streamed chunks. The server is stopped after each run. The client is a small one of our own (httpx, asyncio);
-`--aiperf PATH` also runs NVIDIA's aiperf (PyPI) against the same servers as a cross-check of the figures.
+streamed chunks. The server is stopped after each run. The client is a small one of our own (httpx, asyncio):
+NVIDIA's aiperf (PyPI) installs and runs offline (`--aiperf PATH` runs it on every server too, with synthetic
+prompts of ~220 tokens and our model's tokenizer), but its worker processes took 13.4 s of CPU in a 21 s run at
+concurrency 16, against 0.55 s for this client, so on a 2-core machine it takes a third of the cores from the
+server it measures: use it where cores are spare.
 `--peer-url` measures an already running OpenAI-compatible server the same way.
 
 llama-server is not on PyPI: build it once per machine from the llama.cpp vendored in llama-cpp-python's sdist
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import glob
 import json
 import os
 import random
@@ -26,6 +30,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -48,7 +53,8 @@ def prompts(n: int, seed: int) -> list[str]:
 async def one(client: httpx.AsyncClient, url: str, prompt: str, new: int) -> dict:
     body = {"model": "default", "prompt": prompt, "max_tokens": new, "temperature": 0, "stream": True, "ignore_eos": True}
     t0 = time.perf_counter(); stamps = []
-    async with client.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
+    # a connection per request: llama-server closes kept-alive connections that the client would then reuse
+    async with client.stream("POST", f"{url}/v1/completions", json=body, timeout=600, headers={"Connection": "close"}) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
@@ -71,6 +77,24 @@ async def load(url: str, ps: list[str], conc: int, new: int) -> dict:
                 ttft_p50=statistics.median(ttft), ttft_p99=q(ttft, 0.99), itl_p50=statistics.median(itl), itl_p99=q(itl, 0.99))
 
 
+def run_aiperf(aiperf: str, url: str, conc: int, requests: int, new: int, seed: int, out_dir: str) -> dict:
+    "The same load from aiperf (synthetic prompts of ~220 +- 80 tokens, like 40-300 words): its figures in our keys."
+    from minisgl.weights import resolve_model
+    cmd = [aiperf, "profile", "--model", "default", "--url", url, "--endpoint-type", "completions", "--streaming",
+           "--concurrency", str(conc), "--request-count", str(requests), "--prompt-input-tokens-mean", "220",
+           "--prompt-input-tokens-stddev", "80", "--prompt-output-tokens-mean", str(new),
+           "--prompt-output-tokens-stddev", "0", "--extra-inputs", "ignore_eos:true", "--random-seed", str(seed),
+           "--tokenizer", str(resolve_model(None, progress=False)), "--output-artifact-dir", out_dir,
+           "--no-server-metrics", "--no-gpu-telemetry", "--ui-type", "none"]
+    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=3600)
+    found = sorted(glob.glob(os.path.join(out_dir, "**", "*aiperf*.json"), recursive=True))
+    stats = json.load(open(found[0]))
+    get = lambda metric, key: stats[metric][key]
+    return dict(concurrency=conc, requests=requests, output_tok_s=get("output_token_throughput", "avg"),
+                ttft_p50=get("time_to_first_token", "p50") / 1e3, ttft_p99=get("time_to_first_token", "p99") / 1e3,
+                itl_p50=get("inter_token_latency", "p50") / 1e3, itl_p99=get("inter_token_latency", "p99") / 1e3)
+
+
 def start_server(policy: str, port: int, extra: list[str], llama_server: str | None = None, conc: int = 1) -> subprocess.Popen:
     if policy == "llama-server":
         from minisgl.weights import default_gguf_path
@@ -79,7 +103,8 @@ def start_server(policy: str, port: int, extra: list[str], llama_server: str | N
     else:
         cmd = [sys.executable, "-m", "minisgl", "serve", "--port", str(port), "--dtype", "bfloat16",
                "--schedule-policy", policy, "--log-level", "warning", *extra]
-    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"bench_serving_{policy}_{port}.log"), "w")
+    p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)   # the server's log, kept for a failed run
     for _ in range(300):
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200: return p
@@ -98,6 +123,7 @@ def main():
     ap.add_argument("--llama-server", default=None, metavar="PATH", help="also run this llama-server binary (same GGUF)")
     ap.add_argument("--server-args", default="", help="extra `minisgl serve` options, e.g. '--prefill-budget 512'")
     ap.add_argument("--peer-url", default=None, help="also measure this running OpenAI-compatible server")
+    ap.add_argument("--aiperf", default=None, metavar="PATH", help="also run this aiperf on every server (a cross-check)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -107,7 +133,7 @@ def main():
           f"requests per run, 40-300-word prompts, {args.new_tokens} new tokens")
     print("| system | concurrency | output tok/s | TTFT p50 s | TTFT p99 s | ITL p50 ms | ITL p99 ms |\n|---|---:|---:|---:|---:|---:|---:|")
     rows = []
-    targets = [(f"minisgl {p}", p) for p in args.policies.split(",")]
+    targets = [(f"minisgl {p}", p) for p in args.policies.split(",") if p]
     targets += ([("llama-server", "llama-server")] if args.llama_server else []) + ([("peer", None)] if args.peer_url else [])
     for seed, conc in enumerate(int(c) for c in args.concurrency.split(",")):
         for name, policy in targets:
@@ -116,12 +142,17 @@ def main():
                       if policy else None)
             try:
                 url = f"http://127.0.0.1:{port}" if policy else args.peer_url
-                r = asyncio.run(load(url, ps, conc, args.new_tokens))
+                measured = [(name, asyncio.run(load(url, ps, conc, args.new_tokens)))]
+                if args.aiperf:
+                    with tempfile.TemporaryDirectory() as tmp:
+                        measured.append((f"{name} (aiperf)", run_aiperf(args.aiperf, url, conc, args.requests,
+                                                                        args.new_tokens, seed, tmp)))
             finally:
                 if server: server.terminate(); server.wait(30)
-            rows.append({"system": name, **r})
-            print(f"| {name} | {conc} | {r['output_tok_s']:.1f} | {r['ttft_p50']:.2f} | {r['ttft_p99']:.2f} | "
-                  f"{r['itl_p50'] * 1e3:.0f} | {r['itl_p99'] * 1e3:.0f} |", flush=True)
+            for label, r in measured:
+                rows.append({"system": label, **r})
+                print(f"| {label} | {conc} | {r['output_tok_s']:.1f} | {r['ttft_p50']:.2f} | {r['ttft_p99']:.2f} | "
+                      f"{r['itl_p50'] * 1e3:.0f} | {r['itl_p99'] * 1e3:.0f} |", flush=True)
     if args.out:
         with open(args.out, "w") as f: json.dump(dict(machine=info, args=vars(args), rows=rows), f, indent=1)
 

@@ -30,14 +30,15 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-running-requests", type=int, default=None, metavar="N",
                    help="requests decoded together (default: fitted to this machine from the measured kernel plan; logged)")
     g.add_argument("--prefill-budget", "--max-prefill-tokens", dest="prefill_budget", type=int, default=None, metavar="N",
-                   help="prompt tokens per prefill step; longer prompts are chunked (default: fitted like --max-running-requests)")
+                   help="prompt tokens per prefill step; longer prompts are chunked (default: fitted like "
+                        "--max-running-requests: serve keeps a step's matmuls under 100 ms, shell takes 2048)")
     g.add_argument("--cache", default="radix", choices=["radix", "naive"], help="prefix cache: radix shares prompt prefixes, naive does not (default: %(default)s)")
     g.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=False,
                    help="overlap scheduling: prepare the next batch while the model runs (default: off)")
-    g.add_argument("--schedule-policy", default="prefill_first", choices=["prefill_first", "mixed"],
+    g.add_argument("--schedule-policy", default=None, choices=["prefill_first", "mixed"],
                    help="prefill_first: prompt rounds first, as in the tutorial; mixed: running requests' next tokens and "
-                        "prompt chunks in one batch, so arriving prompts do not stall streams (pair it with a small "
-                        "--prefill-budget, e.g. 256 on a CPU) (default: %(default)s)")
+                        "prompt chunks in one batch, so arriving prompts do not stall streams "
+                        "(default: mixed for serve, prefill_first for shell)")
     g.add_argument("--kernels", default="auto", choices=["auto", "measure", "gemv", "tiles", "onednn", "torch"],
                    help="CPU bf16 matmul kernels: auto measures a plan once per machine and keeps it (see `minisgl tune`), "
                         "measure measures anew, a kernel name forces it (default: %(default)s)")

@@ -172,16 +172,17 @@ def model_linear_specs(model: str | None = None, max_running_reqs: int = 64) -> 
 class BatchLimits:
     "How many requests decode together and how many prompt tokens a prefill round computes, and why."
     max_running_reqs: int
-    prefill_budget: int
+    prefill_budget: int          # offline (`LLM`): prompt tokens per round, for throughput
+    serve_budget: int            # serving: tokens per mixed step, for the gaps between streamed tokens
     why: str = 'fixed defaults'
 
     def capped(self, pool_tokens: int, per_request: int = 256) -> BatchLimits:
         "At most as many rows as the KV pool gives `per_request` tokens each (rows fitted to a kernel plan only)."
         rows = max(1, pool_tokens // per_request)
         if not self.why.startswith('kernel plan') or self.max_running_reqs <= rows: return self
-        return BatchLimits(rows, self.prefill_budget, f'{self.why}; rows capped by a pool of {pool_tokens} tokens')
+        return BatchLimits(rows, self.prefill_budget, self.serve_budget, f'{self.why}; rows capped by a pool of {pool_tokens} tokens')
 
-FIXED_LIMITS = BatchLimits(32, 2048)
+FIXED_LIMITS = BatchLimits(32, 2048, 2048)
 
 # %% ../nbs/08_engine.ipynb #0d37c0da
 def linear_seconds(plan: KernelPlan, shape: tuple[int, int], rows: int) -> float | None:
@@ -194,8 +195,8 @@ def linear_seconds(plan: KernelPlan, shape: tuple[int, int], rows: int) -> float
     return measured[bucket] * max(1.0, rows / bucket)
 
 def fit_limits(plan: KernelPlan, specs: dict, head: tuple[int, int], slack: float = 0.1,
-               max_rows: int = 256, min_budget: int = 256) -> BatchLimits:
-    "Decode rows and prefill tokens where the plan's cost per row stops falling by more than `slack`."
+               max_rows: int = 256, step_target: float = 0.1) -> BatchLimits:
+    "Decode rows where the plan's cost per row stops falling by more than `slack`; chunks whose matmuls fit `step_target`."
     def forward(rows, head_rows):   # seconds of one forward's linears (the LM head sees one row per request)
         total = 0.0
         for shape, spec in specs.items():
@@ -204,14 +205,13 @@ def fit_limits(plan: KernelPlan, specs: dict, head: tuple[int, int], slack: floa
             total += spec.count * t
         return total
     decode = {b: forward(b, b) for b in ROW_BUCKETS if 8 <= b <= max_rows}
-    prefill = {b: forward(b, 1) for b in ROW_BUCKETS if b >= min_budget}
-    if not specs or None in decode.values() or None in prefill.values(): return FIXED_LIMITS
-    def knee(costs):   # the fewest rows whose cost per row is within slack of the best
-        best = min(c / b for b, c in costs.items())
-        return min(b for b, c in costs.items() if c / b <= best * (1 + slack))
-    rows, budget = knee(decode), knee(prefill)
-    return BatchLimits(rows, budget, f'kernel plan: matmuls of a {rows}-row decode step {decode[rows] * 1e3:.0f} ms, '
-                                     f'of a {budget}-token prefill round {prefill[budget] * 1e3:.0f} ms')
+    chunk = {b: forward(b, 1) for b in ROW_BUCKETS if b >= 64}
+    if not specs or None in decode.values() or None in chunk.values(): return FIXED_LIMITS
+    best = min(c / b for b, c in decode.items())   # the fewest rows whose cost per row is within slack of the best
+    rows = min(b for b, c in decode.items() if c / b <= best * (1 + slack))
+    serve = max([b for b, c in chunk.items() if c <= step_target], default=64)
+    return BatchLimits(rows, ROW_BUCKETS[-1], serve, f'kernel plan: matmuls of a {rows}-row decode step '
+                       f'{decode[rows] * 1e3:.0f} ms, of a {serve}-token serving step {chunk[serve] * 1e3:.0f} ms')
 
 # %% ../nbs/08_engine.ipynb #9d1b5d4b
 @patch
@@ -223,7 +223,7 @@ def _fit_limits(self: Engine) -> BatchLimits:
         fitted = fit_limits(self.kernel_plan, self.linear_specs, head)
     rows = self.config.max_running_reqs
     if rows is None: return fitted
-    return BatchLimits(rows, fitted.prefill_budget, f'max_running_reqs configured; prefill budget: {fitted.why}')
+    return BatchLimits(rows, fitted.prefill_budget, fitted.serve_budget, f'max_running_reqs configured; budgets: {fitted.why}')
 
 # %% ../nbs/08_engine.ipynb #9dc67b92
 def _plain_greedy(p: SamplingParams) -> bool:

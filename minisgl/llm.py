@@ -34,7 +34,7 @@ class EngineArgs:
     prefill_budget: int | None = None   # prompt tokens per prefill round, longer prompts are chunked (None: fitted)
     cache: str = "radix"                # radix | naive prefix cache
     overlap: bool = False               # overlap scheduling (CPU work of round k+1 during forward k)
-    schedule_policy: str = "prefill_first"   # or mixed: decode tokens and prompt chunks in one batch (chapter 02)
+    schedule_policy: str | None = None   # prefill_first | mixed (chapter 02); None: prefill_first offline, mixed serving
     kernels: str = "auto"               # CPU bf16 matmuls: auto (measured plan, cached) | measure | gemv | tiles | onednn | torch
     kernel_layouts: int = 2             # weight layouts a linear may keep (1: one copy of the weights)
     engine: str = "model"               # model | toy
@@ -49,7 +49,7 @@ class EngineArgs:
             if v is not None and (not isinstance(v, int) or v < 1): bad(name, "must be an int >= 1 or None")
         if self.kv_memory_gb is not None and self.kv_memory_gb <= 0: bad("kv_memory_gb", "must be > 0")
         if self.cache not in ("radix", "naive"): bad("cache", "must be 'radix' or 'naive'")
-        if self.schedule_policy not in ("mixed", "prefill_first"): bad("schedule_policy", "must be 'mixed' or 'prefill_first'")
+        if self.schedule_policy not in (None, "mixed", "prefill_first"): bad("schedule_policy", "must be 'mixed', 'prefill_first' or None")
         if self.engine not in ("model", "toy"): bad("engine", "must be 'model' or 'toy'")
         if self.kernels not in ("auto", "measure", "gemv", "tiles", "onednn", "torch"):
             bad("kernels", "must be auto, measure, gemv, tiles, onednn or torch")
@@ -58,14 +58,16 @@ class EngineArgs:
 
 # %% ../nbs/11_llm.ipynb #c487ff4b
 @patch
-def scheduler_config(self: EngineArgs, engine=None) -> SchedulerConfig:
-    "The scheduler's config: what these args set, else the limits `engine` fitted to the machine, else the scheduler's defaults."
+def scheduler_config(self: EngineArgs, engine=None, serving: bool = False) -> SchedulerConfig:
+    """The scheduler's config: what these args set, else the limits `engine` fitted to the machine (for offline
+    throughput or, `serving`, for the gaps between streamed tokens), else the scheduler's defaults."""
     fixed = SchedulerConfig()
     limits = getattr(engine, 'limits', None)   # the toy engine measures nothing
     rows = limits.max_running_reqs if limits else self.max_running_requests or fixed.max_running_reqs
-    budget = self.prefill_budget or (limits.prefill_budget if limits else fixed.prefill_budget)
-    return SchedulerConfig(max_running_reqs=rows, prefill_budget=budget, cache=self.cache, overlap=self.overlap,
-                           schedule_policy=self.schedule_policy)
+    fitted = (limits.serve_budget if serving else limits.prefill_budget) if limits else fixed.prefill_budget
+    policy = self.schedule_policy or ('mixed' if serving else 'prefill_first')
+    return SchedulerConfig(max_running_reqs=rows, prefill_budget=self.prefill_budget or fitted, cache=self.cache,
+                           overlap=self.overlap, schedule_policy=policy)
 
 @patch(as_prop=True)
 def model_name(self: EngineArgs) -> str:

@@ -132,7 +132,7 @@ def run_scheduler_worker(names: IPCNames, args: EngineArgs, rank: int = 0, tp_si
         try:
             tok = load_tokenizer(args.model)
             engine = StatsEngine(make_engine(args, tok))
-            config = args.scheduler_config(engine)   # the limits the engine fitted, unless args set them
+            config = args.scheduler_config(engine, serving=True)   # the limits the engine fitted, unless args set them
             info = engine_info(engine, tok) | dict(max_running_reqs=config.max_running_reqs, prefill_budget=config.prefill_budget)
         except Exception as e:
             logger.exception("the scheduler failed to load the model")

@@ -1,6 +1,7 @@
-"""Batch limits fitted to the machine (chapter 08, `fit_limits`): the decode rows and the prefill budget are read off
+"""Batch limits fitted to the machine (chapter 08, `fit_limits`): the decode rows and the serving chunk are read off
 the kernel plan's timings, change when the timings change, give way to what the user sets, fall back to fixed
-values where nothing was measured, and reach the scheduler of `LLM` (and the server's worker)."""
+values where nothing was measured, and reach the scheduler of `LLM` and of the server's worker (with the policy
+each usage gets: prefill-first offline, mixed batches when serving)."""
 import logging
 
 import pytest
@@ -30,14 +31,16 @@ def test_rows_follow_the_measured_knee(knee):
     limits = fit_limits(plan_with(knee), SPECS, HEAD)
     assert limits.max_running_reqs == knee
     assert limits.why.startswith("kernel plan")
-    # the prefill budget: every round from 256 tokens on is compute-bound here, so the smallest allowed
-    assert limits.prefill_budget == 256
+    assert limits.prefill_budget == ROW_BUCKETS[-1]   # offline: the longest round measured
 
 
-def test_prefill_budget_grows_while_longer_rounds_are_cheaper_per_token():
-    "If prompt tokens keep getting cheaper up to 1024 rows, the budget is 1024."
-    plan = plan_with(1024)
-    assert fit_limits(plan, SPECS, HEAD, max_rows=256).prefill_budget == 1024
+@pytest.mark.parametrize("base,want", [(1e-3, 64), (1e-4, 1024), (2e-5, 2048), (1e-2, 64)])
+def test_serving_chunk_keeps_a_step_under_the_target(base, want):
+    """The largest chunk whose matmuls fit 100 ms (at least 64 tokens): 30 layers of `base` seconds up to 32 rows,
+    then in proportion; faster machines get longer chunks, a machine slower than the target still 64."""
+    limits = fit_limits(plan_with(32, base), SPECS, HEAD)
+    assert limits.serve_budget == want
+    assert fit_limits(plan_with(32, base), SPECS, HEAD, step_target=100.0).serve_budget == ROW_BUCKETS[-1]
 
 
 def test_slack_and_bounds():
@@ -59,7 +62,7 @@ def test_pool_caps_fitted_rows_only():
     fitted = fit_limits(plan_with(128), SPECS, HEAD)
     assert fitted.capped(10 * 256).max_running_reqs == 10
     assert fitted.capped(10 ** 6) == fitted
-    assert BatchLimits(64, 512, "max_running_reqs configured").capped(256).max_running_reqs == 64
+    assert BatchLimits(64, 512, 128, "max_running_reqs configured").capped(256).max_running_reqs == 64
     assert FIXED_LIMITS.capped(256) == FIXED_LIMITS
 
 
@@ -72,13 +75,13 @@ def test_engine_fits_its_limits_and_logs_them(caplog):
     want = fit_limits(eng.kernel_plan, eng.linear_specs, head).capped(eng.num_pages * eng.page_size)
     assert lim == want and lim.why.startswith("kernel plan")
     assert lim.max_running_reqs in ROW_BUCKETS and 8 <= lim.max_running_reqs <= 256
-    assert lim.prefill_budget in ROW_BUCKETS and lim.prefill_budget >= 256
+    assert lim.prefill_budget == ROW_BUCKETS[-1] and lim.serve_budget in ROW_BUCKETS and lim.serve_budget >= 64
     assert any("batch limits" in r.getMessage() for r in caplog.records)
     # the pool is sized for the fitted rows: every one of them (and one more) can fill a whole context
     assert eng.num_pages <= (lim.max_running_reqs + 1) * 512 // eng.page_size
     # a configured row count wins, the budget stays fitted
     eng2 = Engine(EngineConfig(dtype="bfloat16", device="cpu", max_seq_len=512, max_running_reqs=3), progress=False)
-    assert eng2.limits.max_running_reqs == 3 and eng2.limits.prefill_budget == lim.prefill_budget
+    assert eng2.limits.max_running_reqs == 3 and eng2.limits.serve_budget == lim.serve_budget
     assert eng2.num_pages == 4 * 512 // eng2.page_size
 
 
@@ -88,6 +91,9 @@ def test_llm_scheduler_uses_the_fitted_limits():
     llm = LLM(dtype="bfloat16", max_seq_len=512)
     assert llm.scheduler.config.max_running_reqs == llm.engine.limits.max_running_reqs
     assert llm.scheduler.config.prefill_budget == llm.engine.limits.prefill_budget
+    assert llm.scheduler.config.schedule_policy == "prefill_first"
+    serving = llm.args.scheduler_config(llm.engine, serving=True)   # what the server's worker builds
+    assert (serving.prefill_budget, serving.schedule_policy) == (llm.engine.limits.serve_budget, "mixed")
     from minisgl.core import SamplingParams
     out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=4, ignore_eos=True))
     assert len(out[0].token_ids) == 4

@@ -236,12 +236,8 @@ def test_native_over_packed_tiles(model_type, rows):
         c1, c2 = clone_ctx(ctx), clone_ctx(ctx)
         native = m(ids, ctx.positions, c1)
         want = m(ids, ctx.positions, dataclasses.replace(c2, fused=False, backend='torch'))   # the torch reference
-    # bf16: fused vs torch rounding; on AVX512-BF16 the attention bodies also round P to bf16 (torch does not), and
-    # a random tiny model turns single-ulp flips of its activations into logit changes of up to ~0.2
-    torch.testing.assert_close(native, want, atol=0.25, rtol=0.05)
-    # greedy picks agree up to near ties: where they differ, the reference rates the native pick within that bound
-    best, native_pick = want.max(-1).values, want.gather(-1, native.argmax(-1, keepdim=True)).squeeze(-1)
-    assert ((best - native_pick) <= 0.25).all(), (best - native_pick).max()
+    torch.testing.assert_close(native, want, atol=0.15, rtol=0.05)   # bf16: fused vs torch rounding
+    assert (native.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
 
 
 def test_bf16_engine_overlap_loop_same_tokens():

@@ -72,6 +72,16 @@ def test_silu_mul(dtype, rows):
 
 
 @needs_ext
+def test_fused_kernels_use_the_widest_vectors():
+    """The fused kernels follow the attention kernels' ISA choice: on an AVX-512 machine (with or without AVX512-BF16)
+    the SiLU row is the AVX-512 one (a name check let AVX512-BF16 machines fall to the scalar row once: 25% of a
+    workload's throughput)."""
+    isa = EXT.cpu_isa()
+    want = "avx512" if isa.startswith("avx512") else isa
+    assert EXT.silu_isa() == want, (isa, EXT.silu_isa())
+
+
+@needs_ext
 @pytest.mark.parametrize("scale", [1, 30, 100])
 def test_silu_mul_bf16_bits(scale):
     "The vectorised bf16 path (its own exp) gives torch's bits, out to where exp(-x) overflows, and at inf / NaN."
@@ -147,7 +157,10 @@ def test_model_fused_matches_torch(model_type, dtype):
                 step([12, 13], [6, 4], [7, 5], [1, 1], False)]
         runs[fused] = outs
     for a, b in zip(runs[False], runs[True]):
-        tol = 1e-4 if dtype == torch.float32 else 0.1
+        # bf16: the fused path rounds where torch does, except the AVX512-BF16 prefill attention, which rounds P to
+        # bf16 (held to bf16's rounding in test_kernels.py); this random model (weights of std 0.3) magnifies a
+        # single-ulp flip of its activations into logit changes up to ~0.25
+        tol = 1e-4 if dtype == torch.float32 else 0.3
         torch.testing.assert_close(b, a, atol=tol, rtol=tol)
         assert (a.argmax(-1) == b.argmax(-1)).all() or dtype != torch.float32
 

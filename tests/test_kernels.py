@@ -146,10 +146,10 @@ BF16_DOT = HAS_EXT and K._ext().cpu_isa() == "avx512bf16"
 @pytest.mark.parametrize("D", [64, 80, 128])
 @pytest.mark.parametrize("Hq,Hkv", [(8, 1), (6, 2), (5, 5)])
 def test_cpu_bf16_bodies_tight(D, Hq, Hkv):
-    """bf16 caches: on a CPU with AVX512-BF16 the kernels multiply bf16 pairs (`vdpbf16ps`) and round P to bf16;
-    the error must stay near bf16's own rounding of the output (8e-3, four times tighter than the sweep's bound),
-    at every tile edge (16 / 32 / 64 keys), for head dims that are not a multiple of 64 (80: masked tails), GQA
-    groups above the 4 heads a decode block holds (8), windows, and q as a strided view."""
+    """bf16 caches: on a CPU with AVX512-BF16 the extend kernel multiplies bf16 pairs (`vdpbf16ps`) and rounds P to
+    bf16; the error must stay near bf16's own rounding of the output (8e-3, four times tighter than the sweep's
+    bound), at every tile edge (16 / 32 / 64 keys), for head dims that are not a multiple of 64 (80: masked
+    tails), GQA groups of 1 to 8, windows, and q as a strided view; decode (the fp32 bodies) alike."""
     print("cpu kernels:", K._ext().cpu_isa())
     lens = [1, 15, 16, 17, 31, 32, 33, 63, 64, 65, 129, 300]
     for window in (-1, 7, 40):

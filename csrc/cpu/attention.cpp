@@ -20,7 +20,7 @@
 // ISA: the task bodies are templates instantiated inside wrappers compiled for AVX-512, AVX2 and the
 // baseline (GCC/Clang `target` + `flatten`), and the best one is chosen once at run time, so the wheel
 // stays portable while the hot loops use the widest vectors the machine has. bf16 caches on a CPU with
-// AVX512-BF16 take the bodies of attention_bf16.h instead (bf16 dot products, no widening of K/V).
+// AVX512-BF16 take the extend body of attention_bf16.h instead (bf16 dot products, no widening of K/V).
 //
 // Trust: table rows, lengths and extend lengths are checked here; the slots stored in the page table are
 // not (that would cost a pass over every position) -- they come from the scheduler's allocator.
@@ -318,10 +318,7 @@ MINISGL_DEFINE_VARIANTS(c10::BFloat16, bf16)
 MINISGL_DEFINE_VARIANTS(c10::Half, f16)
 
 #ifdef MINISGL_X86
-// bf16 caches on a CPU with AVX512-BF16: the task bodies of attention_bf16.h (even head_dim only).
-MINISGL_TARGET_BF16 void decode_bf16_dot(const Args& a, const DecodeTask& t, float* p, Scratch& sc) {
-  bf16::decode_task(a, t.b, t.row, t.h, t.k0, t.k1, p + t.part * a.G * (a.D + 2), sc);
-}
+// bf16 caches on a CPU with AVX512-BF16: the extend body of attention_bf16.h (even head_dim only).
 MINISGL_TARGET_BF16 void extend_bf16_dot(const Args& a, const ExtendTask& t, Scratch& sc) {
   bf16::extend_task(a, t.q_begin, t.row, t.L, t.ext, t.h, t.i0, t.i1, sc);
 }
@@ -372,12 +369,9 @@ bool bf16_dot(int64_t D) {
 #endif
 }
 
-DecodeFn pick_decode(at::ScalarType dt, int64_t D) {
+DecodeFn pick_decode(at::ScalarType dt) {
   if (dt == at::kFloat) return MINISGL_PICK(decode, f32);
-#ifdef MINISGL_X86
-  if (dt == at::kBFloat16 && bf16_dot(D)) return decode_bf16_dot;
-#endif
-  if (dt == at::kBFloat16) return MINISGL_PICK(decode, bf16);
+  if (dt == at::kBFloat16) return MINISGL_PICK(decode, bf16);   // bf16 dots measured no faster here (attention_bf16.h)
   return MINISGL_PICK(decode, f16);
 }
 ExtendFn pick_extend(at::ScalarType dt, int64_t D) {
@@ -529,7 +523,7 @@ DecodeAttentionPlan::DecodeAttentionPlan(const at::Tensor& q, const at::Tensor& 
   at::Tensor o = out;
   p.a = make_args(q, k_cache, v_cache, page_table, scale, sliding_window, o);
   p.dtype = q.scalar_type();
-  p.fn = pick_decode(p.dtype, p.a.D);
+  p.fn = pick_decode(p.dtype);
   for (int64_t b = 0; b < p.B; ++b) TORCH_CHECK(lens[b] >= 1, "seq_lens[", b, "] must be >= 1 for decode");
   // Split long requests into key chunks when there are too few (request, head) pairs to feed every thread.
   const Args& a = p.a;

@@ -3,16 +3,14 @@
 //
 // The fp32 bodies widen every K/V element to fp32 and multiply-add 16 lanes per instruction. `vdpbf16ps`
 // multiplies 32 bf16 pairs into 16 fp32 sums per instruction and needs no widening, so here the caches are read
-// as they are and only the softmax stays in fp32:
-//   extend: S = Q K^T with K gathered into the pairs layout of the packed linear (csrc/cpu/gemm_bf16.cpp):
-//           a 64-byte line holds dims (2p, 2p+1) of 16 keys, multiplied by a broadcast pair (q[2p], q[2p+1]);
-//           an R x 4 block of accumulators gives 4 rows x 64 keys of scores. P is rounded to bf16 (as flash
-//           attention does on GPUs) and acc += P V uses V gathered as key pairs: a line holds keys (2k, 2k+1)
-//           of 16 dims, multiplied by the broadcast pair (p[2k], p[2k+1]).
-//   decode: one query per head, so K is not worth regathering: a K row's dot with q is 2 `vdpbf16ps` per 64
-//           dims (D / 32), and 16 keys' partial-sum vectors are reduced by the transposing tree of vec.h;
-//           acc += P V interleaves two V rows into key pairs on the fly (`vpermt2w`), shared by up to 4 heads.
-// Accumulation is fp32 throughout; the scores are scaled in fp32 after the bf16 dot (q stays exact).
+// as they are and only the softmax stays in fp32. Extend (prefill) only: S = Q K^T with K gathered into the
+// pairs layout of the packed linear (csrc/cpu/gemm_bf16.cpp): a 64-byte line holds dims (2p, 2p+1) of 16 keys,
+// multiplied by a broadcast pair (q[2p], q[2p+1]); an R x 4 block of accumulators gives 4 rows x 64 keys of
+// scores. P is rounded to bf16 (as flash attention does on GPUs) and acc += P V uses V gathered as key pairs: a
+// line holds keys (2k, 2k+1) of 16 dims, multiplied by the broadcast pair (p[2k], p[2k+1]). Accumulation is
+// fp32 throughout; the scores are scaled in fp32 after the bf16 dot (q stays exact).
+// Decode keeps the fp32 bodies: one query per head makes it a stream over the cache, and a bf16-dot decode body
+// (dots of K rows, V rows interleaved into key pairs) measured no faster at contexts 256-4096 while rounding P.
 #pragma once
 // <immintrin.h> is included at the top of attention.cpp (not here: this file is included inside a namespace).
 
@@ -209,117 +207,6 @@ MINISGL_TARGET_BF16 void extend_task(const Args& a, int64_t q_begin, int64_t row
       const int r = i * G + g;
       from_f32(acc + r * Dp, out + ((q_begin + i0 + i) * a.Hq + h * G + g) * D, D, 1.f / l[r]);
     }
-}
-
-// ---------------------------------------------------------------- decode
-// s[j] = scale * <q, rows[j]> for j < 16: per key D / 32 `vdpbf16ps` into one vector, then the tree of vec.h.
-MINISGL_TARGET_BF16 inline void dots16(const uint16_t* q, const uint16_t* const* rows, float* s, int D, float scale,
-                                       __mmask32 last) {
-  using V = VecT<16>::type;
-  V p[16];
-  for (int j = 0; j < 16; ++j) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int d0 = 0; d0 < D; d0 += 32) {
-      const __mmask32 mk = d0 + 32 <= D ? ~__mmask32(0) : last;
-      acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_maskz_loadu_epi16(mk, q + d0),
-                             (__m512bh)_mm512_maskz_loadu_epi16(mk, rows[j] + d0));
-    }
-    p[j] = (V)acc;
-  }
-  fold_all<16, 8>(p, 16);
-  _mm512_storeu_ps(s, _mm512_mul_ps((__m512)p[0], _mm512_set1_ps(scale)));
-}
-
-// acc[g, d0 .. d0 + 32) += sum over key pairs k < npairs of P[g, 2k .. 2k + 1] . V[2k .. 2k + 1, d0 .. d0 + 32)
-// for g < GB; P: bf16 rows of kDecodeTile, acc: fp32 rows of D (the last chunk masked).
-template <int GB>
-MINISGL_TARGET_BF16 inline void pv_decode(const uint16_t* P, const uint16_t* const* rows, int npairs, int d0, int D,
-                                          float* acc) {
-  const int valid = std::min(32, D - d0);
-  const __mmask32 mk = tail_mask(valid);
-  const __mmask16 mlo = static_cast<__mmask16>(tail_mask(std::min(valid, 16)));
-  const __mmask16 mhi = static_cast<__mmask16>(valid > 16 ? tail_mask(valid - 16) : 0);
-  __m512 lo[GB], hi[GB];
-  for (int g = 0; g < GB; ++g) {
-    lo[g] = _mm512_maskz_loadu_ps(mlo, acc + g * D + d0);
-    hi[g] = _mm512_maskz_loadu_ps(mhi, acc + g * D + d0 + 16);
-  }
-  for (int k = 0; k < npairs; ++k) {
-    __m512i vlo, vhi;
-    interleave(_mm512_maskz_loadu_epi16(mk, rows[2 * k] + d0), _mm512_maskz_loadu_epi16(mk, rows[2 * k + 1] + d0),
-               vlo, vhi);
-    for (int g = 0; g < GB; ++g) {
-      const __m512bh pv = (__m512bh)_mm512_set1_epi32(pair_at(P + g * kDecodeTile + 2 * k));
-      lo[g] = _mm512_dpbf16_ps(lo[g], pv, (__m512bh)vlo);
-      hi[g] = _mm512_dpbf16_ps(hi[g], pv, (__m512bh)vhi);
-    }
-  }
-  for (int g = 0; g < GB; ++g) {
-    _mm512_mask_storeu_ps(acc + g * D + d0, mlo, lo[g]);
-    _mm512_mask_storeu_ps(acc + g * D + d0 + 16, mhi, hi[g]);
-  }
-}
-
-// One (request, kv head, key range) task, as decode_task in attention.cpp: part = [m[G], l[G], acc[G][D]].
-MINISGL_TARGET_BF16 void decode_task(const Args& a, int64_t b, int64_t row, int64_t h, int64_t k0, int64_t k1,
-                                     float* part, Scratch& sc) {
-  const int D = static_cast<int>(a.D), G = static_cast<int>(a.G);
-  float* m = part;
-  float* l = part + G;
-  float* acc = part + 2 * G;
-  float* s = sc.s.data();                                   // [G][kDecodeTile]
-  uint16_t* pb = sc.h.data();                               // [G][kDecodeTile]
-  const uint16_t* zero = sc.h.data() + sc.h.size() - ((D + 63) / 64 * 64);
-  const uint16_t* qb = static_cast<const uint16_t*>(a.q) + b * a.q_s0 + h * G * a.q_s1;
-  const __mmask32 last = tail_mask(D % 32 == 0 ? 32 : D % 32);
-  for (int g = 0; g < G; ++g) {
-    m[g] = kNegInf;
-    l[g] = 0.f;
-  }
-  std::fill(acc, acc + G * D, 0.f);
-  const uint16_t* kc = static_cast<const uint16_t*>(a.k) + h * a.k_s1;
-  const uint16_t* vc = static_cast<const uint16_t*>(a.v) + h * a.v_s1;
-  int64_t slots[kDecodeTile];
-  const uint16_t* rows[kDecodeTile];
-  for (int64_t t0 = k0; t0 < k1; t0 += kDecodeTile) {
-    const int n = static_cast<int>(std::min<int64_t>(kDecodeTile, k1 - t0));
-    const int n16 = (n + 15) / 16 * 16;
-    for (int j = 0; j < n; ++j) slots[j] = slot_at(a, row, t0 + j);
-    for (int64_t j = t0 + kDecodeTile, end = std::min(k1, t0 + 2 * kDecodeTile); j < end; ++j) {
-      const int64_t next = slot_at(a, row, j);  // page boundaries defeat the hardware prefetcher
-      prefetch_row(kc + next * a.k_s0, D);
-      prefetch_row(vc + next * a.v_s0, D);
-    }
-    for (int j = 0; j < n; ++j) rows[j] = kc + slots[j] * a.k_s0;
-    for (int j = n; j < n16; ++j) rows[j] = zero;
-    for (int g = 0; g < G; ++g)
-      for (int j0 = 0; j0 < n16; j0 += 16) dots16(qb + g * a.q_s1, rows + j0, s + g * kDecodeTile + j0, D, a.scale, last);
-    for (int g = 0; g < G; ++g) {
-      float* sg = s + g * kDecodeTile;
-      const float mnew = std::max(m[g], max_of(sg, n));
-      const float alpha = std::exp(m[g] - mnew);  // 0 on the first tile (m = -inf)
-      l[g] = l[g] * alpha + exp_sum(sg, mnew, n);
-      if (alpha != 1.f) scale_row<0>(acc + g * D, alpha, D);
-      m[g] = mnew;
-      for (int j0 = 0; j0 < n16; j0 += 16) {  // P in bf16, zero for the padding keys
-        const __mmask16 vis = range16(0, n - j0);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + g * kDecodeTile + j0),
-                            (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(vis, sg + j0)));
-      }
-    }
-    for (int j = 0; j < n; ++j) rows[j] = vc + slots[j] * a.v_s0;
-    for (int d0 = 0; d0 < D; d0 += 32)
-      for (int g0 = 0; g0 < G; g0 += 4) {
-        const uint16_t* P = pb + g0 * kDecodeTile;
-        float* ag = acc + g0 * D;
-        switch (std::min(4, G - g0)) {
-          case 1: pv_decode<1>(P, rows, (n + 1) / 2, d0, D, ag); break;
-          case 2: pv_decode<2>(P, rows, (n + 1) / 2, d0, D, ag); break;
-          case 3: pv_decode<3>(P, rows, (n + 1) / 2, d0, D, ag); break;
-          default: pv_decode<4>(P, rows, (n + 1) / 2, d0, D, ag); break;
-        }
-      }
-  }
 }
 
 }  // namespace bf16

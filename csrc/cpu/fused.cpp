@@ -159,8 +159,9 @@ void silu_row_base(const uint16_t* g, const uint16_t* u, uint16_t* o, int64_t n)
 SiluRowFn pick_silu_row() {
 #if defined(__GNUC__) && defined(__x86_64__)
   static const SiluRowFn f = [] {
-    const std::string isa = cpu_isa();  // the attention kernels' choice (MINISGL_CPU_ISA caps it the same way)
-    return isa == "avx512" ? silu_row_avx512 : isa == "avx2" ? silu_row_avx2 : silu_row_base;
+    // the attention kernels' choice (MINISGL_CPU_ISA caps it the same way); avx512bf16 machines take the AVX-512 row
+    const std::string isa = cpu_isa();
+    return isa.rfind("avx512", 0) == 0 ? silu_row_avx512 : isa == "avx2" ? silu_row_avx2 : silu_row_base;
   }();
   return f;
 #else
@@ -169,6 +170,15 @@ SiluRowFn pick_silu_row() {
 }
 
 }  // namespace
+
+std::string silu_isa() {
+  const SiluRowFn f = pick_silu_row();
+#if defined(__GNUC__) && defined(__x86_64__)
+  if (f == silu_row_avx512) return "avx512";
+  if (f == silu_row_avx2) return "avx2";
+#endif
+  return "baseline";
+}
 
 void silu_mul_out_cpu(const at::Tensor& gate_up, at::Tensor& out) {
   check_rows(gate_up, "silu_mul", "gate_up");
