@@ -6,10 +6,10 @@ to the concurrency and a context of 1024 tokens per slot), sends `--requests` co
 of 40-300 words with `--new-tokens` new tokens each (EOS ignored), at most `--concurrency` at a time, streaming,
 and measures on the client: TTFT = first streamed token - request sent; ITL = the gaps between a request's
 streamed chunks. The server is stopped after each run. The client is a small one of our own (httpx, asyncio):
-NVIDIA's aiperf (PyPI) installs and runs offline (`--aiperf PATH` runs it on every server too, with synthetic
-prompts of ~220 tokens and our model's tokenizer), but its worker processes took 13.4 s of CPU in a 21 s run at
-concurrency 16, against 0.55 s for this client, so on a 2-core machine it takes a third of the cores from the
-server it measures: use it where cores are spare.
+NVIDIA's aiperf (PyPI) installs and runs offline against a running server (`aiperf profile --endpoint-type
+completions --streaming --concurrency 16 --tokenizer <the converted model directory> ...`), but its worker
+processes took 13.4 s of CPU in a 21 s run at concurrency 16, against 0.55 s for this client, so on a 2-core
+machine it takes a third of the cores from the server it measures: use it where cores are spare.
 `--peer-url` measures an already running OpenAI-compatible server the same way.
 
 llama-server is not on PyPI: build it once per machine from the llama.cpp vendored in llama-cpp-python's sdist
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import glob
 import json
 import os
 import random
@@ -30,7 +29,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 import httpx
@@ -59,7 +57,7 @@ async def one(client: httpx.AsyncClient, url: str, prompt: str, new: int) -> dic
         async for line in r.aiter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 if json.loads(line[6:])["choices"][0].get("text"): stamps.append(time.perf_counter())
-    return {"ttft": stamps[0] - t0, "itl": [b - a for a, b in zip(stamps, stamps[1:])], "chunks": len(stamps)}
+    return {"ttft": stamps[0] - t0, "itl": [b - a for a, b in zip(stamps, stamps[1:])]}
 
 
 async def load(url: str, ps: list[str], conc: int, new: int) -> dict:
@@ -75,24 +73,6 @@ async def load(url: str, ps: list[str], conc: int, new: int) -> dict:
     # EOS is ignored, so every request streams exactly `new` tokens (a chunk may carry more than one)
     return dict(concurrency=conc, requests=len(ps), output_tok_s=new * len(ps) / wall,
                 ttft_p50=statistics.median(ttft), ttft_p99=q(ttft, 0.99), itl_p50=statistics.median(itl), itl_p99=q(itl, 0.99))
-
-
-def run_aiperf(aiperf: str, url: str, conc: int, requests: int, new: int, seed: int, out_dir: str) -> dict:
-    "The same load from aiperf (synthetic prompts of ~220 +- 80 tokens, like 40-300 words): its figures in our keys."
-    from minisgl.weights import resolve_model
-    cmd = [aiperf, "profile", "--model", "default", "--url", url, "--endpoint-type", "completions", "--streaming",
-           "--concurrency", str(conc), "--request-count", str(requests), "--prompt-input-tokens-mean", "220",
-           "--prompt-input-tokens-stddev", "80", "--prompt-output-tokens-mean", str(new),
-           "--prompt-output-tokens-stddev", "0", "--extra-inputs", "ignore_eos:true", "--random-seed", str(seed),
-           "--tokenizer", str(resolve_model(None, progress=False)), "--output-artifact-dir", out_dir,
-           "--no-server-metrics", "--no-gpu-telemetry", "--ui-type", "none"]
-    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=3600)
-    found = sorted(glob.glob(os.path.join(out_dir, "**", "*aiperf*.json"), recursive=True))
-    stats = json.load(open(found[0]))
-    get = lambda metric, key: stats[metric][key]
-    return dict(concurrency=conc, requests=requests, output_tok_s=get("output_token_throughput", "avg"),
-                ttft_p50=get("time_to_first_token", "p50") / 1e3, ttft_p99=get("time_to_first_token", "p99") / 1e3,
-                itl_p50=get("inter_token_latency", "p50") / 1e3, itl_p99=get("inter_token_latency", "p99") / 1e3)
 
 
 def start_server(policy: str, port: int, extra: list[str], llama_server: str | None = None, conc: int = 1) -> subprocess.Popen:
@@ -119,11 +99,11 @@ def main():
     ap.add_argument("--concurrency", default="1,4,16,64")
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--policies", default="prefill_first", help="minisgl scheduling policies to run (comma-separated)")
+    ap.add_argument("--policies", default="mixed,prefill_first",
+                    help="minisgl scheduling policies to run, comma-separated (serve's default is mixed)")
     ap.add_argument("--llama-server", default=None, metavar="PATH", help="also run this llama-server binary (same GGUF)")
     ap.add_argument("--server-args", default="", help="extra `minisgl serve` options, e.g. '--prefill-budget 512'")
     ap.add_argument("--peer-url", default=None, help="also measure this running OpenAI-compatible server")
-    ap.add_argument("--aiperf", default=None, metavar="PATH", help="also run this aiperf on every server (a cross-check)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -136,23 +116,18 @@ def main():
     targets = [(f"minisgl {p}", p) for p in args.policies.split(",") if p]
     targets += ([("llama-server", "llama-server")] if args.llama_server else []) + ([("peer", None)] if args.peer_url else [])
     for seed, conc in enumerate(int(c) for c in args.concurrency.split(",")):
+        ps = prompts(args.requests, seed)   # the same prompts for every system at this concurrency
         for name, policy in targets:
-            ps = prompts(args.requests, seed)   # the same prompts for every system at this concurrency
             server = (start_server(policy, port := free_port(), args.server_args.split(), args.llama_server, conc)
                       if policy else None)
             try:
                 url = f"http://127.0.0.1:{port}" if policy else args.peer_url
-                measured = [(name, asyncio.run(load(url, ps, conc, args.new_tokens)))]
-                if args.aiperf:
-                    with tempfile.TemporaryDirectory() as tmp:
-                        measured.append((f"{name} (aiperf)", run_aiperf(args.aiperf, url, conc, args.requests,
-                                                                        args.new_tokens, seed, tmp)))
+                r = asyncio.run(load(url, ps, conc, args.new_tokens))
             finally:
                 if server: server.terminate(); server.wait(30)
-            for label, r in measured:
-                rows.append({"system": label, **r})
-                print(f"| {label} | {conc} | {r['output_tok_s']:.1f} | {r['ttft_p50']:.2f} | {r['ttft_p99']:.2f} | "
-                      f"{r['itl_p50'] * 1e3:.0f} | {r['itl_p99'] * 1e3:.0f} |", flush=True)
+            rows.append({"system": name, **r})
+            print(f"| {name} | {conc} | {r['output_tok_s']:.1f} | {r['ttft_p50']:.2f} | {r['ttft_p99']:.2f} | "
+                  f"{r['itl_p50'] * 1e3:.0f} | {r['itl_p99'] * 1e3:.0f} |", flush=True)
     if args.out:
         with open(args.out, "w") as f: json.dump(dict(machine=info, args=vars(args), rows=rows), f, indent=1)
 

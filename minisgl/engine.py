@@ -5,7 +5,7 @@
 # %% ../nbs/08_engine.ipynb #aff68f54
 from __future__ import annotations
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -15,8 +15,8 @@ from fastcore.basics import patch
 from .core import Batch, ForwardOutput, SamplingParams
 from .kernels import _ext
 from .kvcache import KVPool
-from .linear import (KERNELS, ROW_BUCKETS, KernelPlan, LinearSpec, PackedLinear, can_pack_linears, kernel_plan,
-                            linear_specs, pack_linears)
+from .linear import (KERNELS, ROW_BUCKETS, KernelPlan, PackedLinear, can_pack_linears, kernel_plan, linear_specs,
+                            pack_linears)
 from .models import CausalLM, ForwardContext, ModelConfig
 from .sampling import SamplingBatch, sample
 from .weights import eos_token_ids, load_hf_config, load_model, load_tokenizer, resolve_model
@@ -175,12 +175,13 @@ class BatchLimits:
     prefill_budget: int          # offline (`LLM`): prompt tokens per round, for throughput
     serve_budget: int            # serving: tokens per mixed step, for the gaps between streamed tokens
     why: str = 'fixed defaults'
+    rows_fitted: bool = False    # max_running_reqs read off a kernel plan (neither fixed nor configured)
 
     def capped(self, pool_tokens: int, per_request: int = 256) -> BatchLimits:
-        "At most as many rows as the KV pool gives `per_request` tokens each (rows fitted to a kernel plan only)."
+        "At most as many rows as the KV pool gives `per_request` tokens each (fitted rows only)."
         rows = max(1, pool_tokens // per_request)
-        if not self.why.startswith('kernel plan') or self.max_running_reqs <= rows: return self
-        return BatchLimits(rows, self.prefill_budget, self.serve_budget, f'{self.why}; rows capped by a pool of {pool_tokens} tokens')
+        if not self.rows_fitted or self.max_running_reqs <= rows: return self
+        return replace(self, max_running_reqs=rows, why=f'{self.why}; rows capped by a pool of {pool_tokens} tokens')
 
 FIXED_LIMITS = BatchLimits(32, 2048, 2048)
 
@@ -211,7 +212,7 @@ def fit_limits(plan: KernelPlan, specs: dict, head: tuple[int, int], slack: floa
     rows = min(b for b, c in decode.items() if c / b <= best * (1 + slack))
     serve = max([b for b, c in chunk.items() if c <= step_target], default=64)
     return BatchLimits(rows, ROW_BUCKETS[-1], serve, f'kernel plan: matmuls of a {rows}-row decode step '
-                       f'{decode[rows] * 1e3:.0f} ms, of a {serve}-token serving step {chunk[serve] * 1e3:.0f} ms')
+                       f'{decode[rows] * 1e3:.0f} ms, of a {serve}-token serving step {chunk[serve] * 1e3:.0f} ms', True)
 
 # %% ../nbs/08_engine.ipynb #9d1b5d4b
 @patch
@@ -223,7 +224,7 @@ def _fit_limits(self: Engine) -> BatchLimits:
         fitted = fit_limits(self.kernel_plan, self.linear_specs, head)
     rows = self.config.max_running_reqs
     if rows is None: return fitted
-    return BatchLimits(rows, fitted.prefill_budget, fitted.serve_budget, f'max_running_reqs configured; budgets: {fitted.why}')
+    return replace(fitted, max_running_reqs=rows, why=f'max_running_reqs configured; budgets: {fitted.why}', rows_fitted=False)
 
 # %% ../nbs/08_engine.ipynb #9dc67b92
 def _plain_greedy(p: SamplingParams) -> bool:

@@ -200,7 +200,6 @@ class ServerArgs(EngineArgs):
             raise ValueError(f"max_queued_requests: must be an int >= 0, got {self.max_queued_requests!r}")
         if not 0 <= self.port < 65536: raise ValueError(f"port: must be in [0, 65535], got {self.port!r}")
 
-
     def engine_args(self) -> EngineArgs:
         return EngineArgs(**{k: v for k, v in asdict(self).items() if k in EngineArgs.__dataclass_fields__})
 

@@ -42,6 +42,7 @@
 #include "../common.h"
 #include "../ops.h"
 #include "attention_plan.h"
+#include "isa.h"
 #include "vec.h"
 
 namespace minisgl {
@@ -75,12 +76,11 @@ inline int64_t slot_at(const Args& a, int64_t row, int64_t pos) {
 struct Scratch {
   std::vector<float> q, acc, m, l, kt, vt, s, row, zero;  // zero: a row of D zeros (padding keys)
   std::vector<int> jlo, jhi;
-  std::vector<uint16_t> h;  // bf16 kernels: queries, P, and a zero row at the end (attention_bf16.h)
-  std::vector<uint32_t> w;  // bf16 kernels: the K and V tiles in pairs layout
+  std::vector<uint16_t> h;  // the bf16 extend body's queries, P and a zero row (sized there, on first use)
+  std::vector<uint32_t> w;  // the bf16 extend body's K and V tiles in pairs layout (likewise)
   Scratch(int64_t M, int64_t D, int64_t G)
       : q(M * D), acc(M * pad(D)), m(M), l(M), kt(D * kTileK), vt(kTileK * pad(D)),
-        s(std::max<int64_t>(G * kDecodeTile, M * kTileK)), row(D), zero(D, 0.f), jlo(M), jhi(M),
-        h(M * D + M * kTileK + pad(D)), w(kTileK * D / 2 + kTileK / 2 * pad(D)) {}
+        s(std::max<int64_t>(G * kDecodeTile, M * kTileK)), row(D), zero(D, 0.f), jlo(M), jhi(M) {}
   static int64_t pad(int64_t D) { return (D + 63) / 64 * 64; }
 };
 
@@ -326,30 +326,6 @@ MINISGL_TARGET_BF16 void extend_bf16_dot(const Args& a, const ExtendTask& t, Scr
 
 using DecodeFn = void (*)(const Args&, const DecodeTask&, float*, Scratch&);
 using ExtendFn = void (*)(const Args&, const ExtendTask&, Scratch&);
-
-enum class Isa { base, avx2, avx512, avx512bf16 };
-
-Isa best_isa() {
-#ifdef MINISGL_X86
-  // MINISGL_CPU_ISA=avx512|avx2|baseline caps the choice (to test the narrower variants on a wide machine).
-  static const Isa isa = [] {
-    __builtin_cpu_init();
-    const char* cap = std::getenv("MINISGL_CPU_ISA");
-    const std::string want = cap ? cap : "";
-    const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-    const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    if (avx512 && __builtin_cpu_supports("avx512bf16") && (want.empty() || want == "avx512bf16"))
-      return Isa::avx512bf16;
-    if (avx512 && want != "avx2" && want != "baseline") return Isa::avx512;
-    if (avx2 && want != "baseline") return Isa::avx2;
-    return Isa::base;
-  }();
-  return isa;
-#else
-  return Isa::base;
-#endif
-}
 
 #ifdef MINISGL_X86
 #define MINISGL_PICK(kind, suffix)                                 \

@@ -1,5 +1,5 @@
 // attention_bf16.h -- the bf16 task bodies of attention.cpp for CPUs with AVX512-BF16 (included there, inside its
-// anonymous namespace: Args, Scratch, slot_at, kTileK, kDecodeTile come from attention.cpp).
+// anonymous namespace: Args, Scratch, slot_at, kTileK come from attention.cpp).
 //
 // The fp32 bodies widen every K/V element to fp32 and multiply-add 16 lanes per instruction. `vdpbf16ps`
 // multiplies 32 bf16 pairs into 16 fp32 sums per instruction and needs no widening, so here the caches are read
@@ -99,6 +99,10 @@ MINISGL_TARGET_BF16 void extend_task(const Args& a, int64_t q_begin, int64_t row
   const int D = static_cast<int>(a.D), D2 = D / 2, Dp = (D + 63) / 64 * 64;
   const int G = static_cast<int>(a.G), nq = static_cast<int>(i1 - i0), M = nq * G;
   float *acc = sc.acc.data(), *m = sc.m.data(), *l = sc.l.data(), *S = sc.s.data();
+  // scratch for this body only, sized once per Scratch (every task of a call has the same M <= 64 / G * G, D)
+  const size_t h_size = sc.q.size() + sc.s.size() + Dp, w_size = kTileK * D2 + kTileK / 2 * Dp;
+  if (sc.h.size() != h_size) sc.h.assign(h_size, 0);   // zeros: the last Dp stay the zero row
+  if (sc.w.size() != w_size) sc.w.assign(w_size, 0);
   uint16_t* qb = sc.h.data();            // [M][D]
   uint16_t* pb = qb + M * D;             // [M][kTileK]
   uint32_t* kp = sc.w.data();            // [kTileK / 16][D2][16]

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "../ops.h"
+#include "isa.h"
 #include "vec.h"
 
 namespace minisgl {
@@ -159,9 +160,8 @@ void silu_row_base(const uint16_t* g, const uint16_t* u, uint16_t* o, int64_t n)
 SiluRowFn pick_silu_row() {
 #if defined(__GNUC__) && defined(__x86_64__)
   static const SiluRowFn f = [] {
-    // the attention kernels' choice (MINISGL_CPU_ISA caps it the same way); avx512bf16 machines take the AVX-512 row
-    const std::string isa = cpu_isa();
-    return isa.rfind("avx512", 0) == 0 ? silu_row_avx512 : isa == "avx2" ? silu_row_avx2 : silu_row_base;
+    const cpu::Isa isa = cpu::best_isa();  // the attention kernels' choice (isa.h; MINISGL_CPU_ISA caps both)
+    return isa >= cpu::Isa::avx512 ? silu_row_avx512 : isa == cpu::Isa::avx2 ? silu_row_avx2 : silu_row_base;
   }();
   return f;
 #else
