@@ -38,7 +38,7 @@ def cases():
 def measure(shape, reps):
     "Run in the child: {case: (median ms, GFLOP/s)} for the variant this process's ISA picks."
     import torch
-    from minisgl.kernels import _ext, decode_attention, extend_attention
+    from minisgl.kernels import native, decode_attention, extend_attention
     Hq, Hkv, D = shape
     page, out = 16, {}
     for name, c in cases():
@@ -72,7 +72,7 @@ def measure(shape, reps):
             times.append(time.perf_counter() - t)
         ms = statistics.median(times) * 1e3
         out[name] = (ms, 4 * Hq * D * pairs / (ms * 1e-3) / 1e9)
-    return dict(isa=_ext().cpu_isa(), results=out)
+    return dict(isa=native().cpu_isa(), results=out)
 
 
 def main():

@@ -13,7 +13,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from minisgl.kernels import _ext, decode_attention, extend_attention
+from minisgl.kernels import native, decode_attention, extend_attention
 
 HQ, HKV, D, PAGE = 9, 3, 64, 16
 
@@ -65,7 +65,7 @@ def main():
     args = ap.parse_args()
     dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16
     scale = D ** -0.5
-    print(f"threads={torch.get_num_threads()} isa={_ext().cpu_isa()} dtype={args.dtype} Hq={HQ} Hkv={HKV} D={D} "
+    print(f"threads={torch.get_num_threads()} isa={native().cpu_isa()} dtype={args.dtype} Hq={HQ} Hkv={HKV} D={D} "
           f"page={PAGE}")
     print(f"{'case':34s} {'cpu ms':>9s} {'torch ms':>9s} {'sdpa ms':>9s}")
     for B, L in [(1, 512), (32, 256), (64, 256), (64, 512)]:

@@ -19,7 +19,7 @@ def main():
     ap.add_argument("--rows", default="1,3,8,16,32,64,256")
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
-    ext = kernels._ext()
+    ext = kernels.native()
     tiles = ext is not None and hasattr(ext, "linear_packed") and ext.linear_packed_available()
     h, inter, layers, vocab = 576, 1536, 30, 49152
     shapes = [s for _ in range(layers) for s in ((960, h), (h, h), (2 * inter, h), (h, inter))] + [(vocab, h)]

@@ -6,54 +6,45 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
+import typing
 
 # %% auto #0
-__all__ = ['HELP', 'build_parser', 'run_tune', 'run_shell', 'main']
+__all__ = ['HELP', 'add_options', 'args_from', 'build_parser', 'run_tune', 'run_shell', 'main']
 
 # %% ../nbs/13_cli.ipynb #8a946226
-def _add_engine_options(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model and engine")
-    g.add_argument("--model", default=None, metavar="PATH",
-                   help="Hugging Face model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights and KV dtype; auto: bfloat16 on GPUs and CPUs with bf16 instructions, else float32 (default: %(default)s)")
-    g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N; auto: cuda when available (default: %(default)s)")
-    g.add_argument("--max-seq-len", "--context-length", dest="max_seq_len", type=int, default=None, metavar="N",
-                   help="context length in tokens (default: the model's)")
-    g.add_argument("--engine", default="model", choices=["model", "toy"], help=argparse.SUPPRESS)  # toy: tests without weights
-    g = p.add_argument_group("KV cache and scheduling")
-    g.add_argument("--page-size", type=int, default=16, metavar="N", help="tokens per KV page (default: %(default)s)")
-    g.add_argument("--num-pages", type=int, default=None, metavar="N", help="KV pages in the pool (default: from --kv-memory-gb, else the engine's share of free memory)")
-    g.add_argument("--kv-memory-gb", type=float, default=None, metavar="GB", help="KV cache budget in GiB when --num-pages is not given")
-    g.add_argument("--max-running-requests", type=int, default=None, metavar="N",
-                   help="requests decoded together (default: fitted to this machine from the measured kernel plan; logged)")
-    g.add_argument("--prefill-budget", "--max-prefill-tokens", dest="prefill_budget", type=int, default=None, metavar="N",
-                   help="prompt tokens per prefill step; longer prompts are chunked (default: fitted like "
-                        "--max-running-requests: serve keeps a step's matmuls under 100 ms, shell takes 2048)")
-    g.add_argument("--cache", default="radix", choices=["radix", "naive"], help="prefix cache: radix shares prompt prefixes, naive does not (default: %(default)s)")
-    g.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=False,
-                   help="overlap scheduling: prepare the next batch while the model runs (default: off)")
-    g.add_argument("--schedule-policy", default=None, choices=["prefill_first", "mixed"],
-                   help="prefill_first: prompt rounds first, as in the tutorial; mixed: running requests' next tokens and "
-                        "prompt chunks in one batch, so arriving prompts do not stall streams "
-                        "(default: mixed for serve, prefill_first for shell)")
-    g.add_argument("--kernels", default="auto", choices=["auto", "measure", "gemv", "tiles", "onednn", "torch"],
-                   help="CPU bf16 matmul kernels: auto measures a plan once per machine and keeps it (see `minisgl tune`), "
-                        "measure measures anew, a kernel name forces it (default: %(default)s)")
-    g.add_argument("--kernel-layouts", type=int, default=2, choices=[1, 2, 3], metavar="N",
-                   help="weight layouts a linear may keep: 1 holds one copy of the weights, 2 lets decode and prefill "
-                        "each take their fastest kernel (default: %(default)s)")
-    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="(default: %(default)s)")
+def _own_fields(cls) -> list[dataclasses.Field]:
+    "The fields `cls` declares itself (not those it inherits), in order."
+    own = cls.__dict__.get("__annotations__", {})
+    return [f for f in dataclasses.fields(cls) if f.name in own]
 
 
+def add_options(group, cls, names: tuple[str, ...] | None = None) -> None:
+    "One option per field of dataclass `cls` that `cls` declares (or per field in `names`): flags, type, default, help."
+    hints = typing.get_type_hints(cls)
+    for f in (dataclasses.fields(cls) if names else _own_fields(cls)):
+        if (names and f.name not in names) or "help" not in f.metadata: continue
+        meta = dict(f.metadata)
+        flags, help = meta.pop("flags", None) or (f"--{f.name.replace('_', '-')}",), meta.pop("help")
+        kind = next(t for t in typing.get_args(hints[f.name]) or (hints[f.name],) if t is not type(None))
+        kw = dict(dest=f.name, default=f.default, **meta)
+        if kind is bool: kw["action"] = argparse.BooleanOptionalAction
+        else: kw["type"] = kind
+        if "(default" not in help and f.default is not None: help += " (default: %(default)s)"
+        group.add_argument(*flags, help=help, **kw)
 
+
+def args_from(ns: argparse.Namespace, cls):
+    "The dataclass `cls` built from the parsed options that are its fields."
+    return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if hasattr(ns, f.name)})
 
 # %% ../nbs/13_cli.ipynb #88d1dc3e
-def _engine_kwargs(ns: argparse.Namespace) -> dict:
-    from minisgl.llm import EngineArgs
-    return {k: getattr(ns, k) for k in EngineArgs.__dataclass_fields__ if hasattr(ns, k)}
+def _add_engine_options(p: argparse.ArgumentParser) -> None:
+    from minisgl.engine import EngineArgs, EngineConfig
+    add_options(p.add_argument_group("model and engine"), EngineConfig)
+    add_options(p.add_argument_group("scheduling"), EngineArgs)
 
 # %% ../nbs/13_cli.ipynb #46b2eb9c
 def build_parser() -> argparse.ArgumentParser:
@@ -70,18 +61,15 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server",
                        description="Run the OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, "
                                    "/v1/models, /health, /metrics). Stop it with Ctrl-C or SIGTERM.")
-    g = s.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    g.add_argument("--port", type=int, default=1919, help="port to listen on (default: %(default)s)")
-    g.add_argument("--max-queued-requests", type=int, default=256, metavar="N",
-                   help="requests allowed to wait beyond --max-running-requests; more get HTTP 429 (default: %(default)s)")
-    g.add_argument("--served-model-name", default=None, metavar="NAME", help="model name in the API (default: from --model)")
+    from minisgl.engine import EngineConfig
+    from minisgl.server import ServerArgs
+    add_options(s.add_argument_group("server"), ServerArgs)
     _add_engine_options(s)
     sh = sub.add_parser("shell", help="chat with the model in the terminal",
                         description="Chat with the model in the terminal, answers streamed as they are generated. "
                                     "Commands: /reset (forget the conversation), /exit (or Ctrl-D).")
     g = sh.add_argument_group("generation")
-    g.add_argument("--max-tokens", type=int, default=512, metavar="N", help="tokens per answer at most (default: %(default)s)")
+    g.add_argument("--max-tokens", type=int, default=None, metavar="N", help="tokens per answer at most (default: up to the context)")
     g.add_argument("--temperature", type=float, default=0.7, help="0 for greedy (default: %(default)s)")
     g.add_argument("--top-p", type=float, default=0.9, help="(default: %(default)s)")
     g.add_argument("--seed", type=int, default=None)
@@ -92,18 +80,15 @@ def build_parser() -> argparse.ArgumentParser:
                                    "of the model and each batch size, keep the fastest per shape and size, and save the plan "
                                    "where `minisgl serve` and `LLM` read it. The engine does this by itself on its first start.")
     t.add_argument("--show", action="store_true", help="print the saved plan (measuring only if there is none)")
-    t.add_argument("--model", default=None, metavar="PATH", help="model directory or .gguf file (default: the embedded model)")
-    t.add_argument("--max-running-requests", type=int, default=None, metavar="N",
-                   help="the batch sizes to plan for (default: what the engine plans for, 64)")
-    t.add_argument("--kernel-layouts", type=int, default=2, choices=[1, 2, 3], metavar="N", help="(default: %(default)s)")
+    add_options(t, EngineConfig, names=("model", "max_running_reqs", "kernel_layouts"))
     return p
 
 # %% ../nbs/13_cli.ipynb #edffee2a
 def run_tune(ns: argparse.Namespace, out=sys.stdout) -> int:
     "`minisgl tune`: measure the kernel plan anew (or `--show` the saved one) and print it."
-    from minisgl.engine import model_linear_specs
+    from minisgl.engine import PLANNED_ROWS, model_linear_specs
     from minisgl.linear import cpu_signature, kernel_plan, plan_cache_file
-    specs = model_linear_specs(ns.model, ns.max_running_requests or 64)
+    specs = model_linear_specs(ns.model, ns.max_running_reqs or PLANNED_ROWS)
     if not ns.show: print("measuring (a few seconds)...", file=sys.stderr, flush=True)
     plan = kernel_plan(specs, "auto" if ns.show else "measure", ns.kernel_layouts)
     sig = cpu_signature()
@@ -157,15 +142,14 @@ def main(argv: list[str] | None = None) -> int:
         if ns.command == "tune": return run_tune(ns)
         if ns.command == "serve":
             from minisgl.server import ServerArgs, serve
-            args = ServerArgs(**_engine_kwargs(ns), host=ns.host, port=ns.port, max_queued_requests=ns.max_queued_requests,
-                              served_model_name=ns.served_model_name, log_level=ns.log_level)
-            return serve(args)
+            return serve(args_from(ns, ServerArgs))
         from minisgl.core import SamplingParams
+        from minisgl.engine import EngineArgs
         from minisgl.llm import LLM
         sp = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, seed=ns.seed)
-        kw = _engine_kwargs(ns)
+        args = args_from(ns, EngineArgs)
         print("loading the model...", file=sys.stderr, flush=True)
-        llm = LLM(kw.pop("model"), **kw)
+        llm = LLM(**dataclasses.asdict(args))
         run_shell(llm, sp, ns.system)
         return 0
     except (ValueError, FileNotFoundError) as e:

@@ -5,25 +5,47 @@
 # %% ../nbs/00_core.ipynb #477ca524
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
 
 # %% auto #0
-__all__ = ['FinishReason', 'SamplingParams', 'Req', 'ChunkedReq', 'Batch', 'ForwardOutput']
+__all__ = ['FinishReason', 'ParamError', 'check', 'is_int', 'check_int', 'check_choice', 'option', 'SamplingParams',
+           'check_prompt', 'Req', 'ChunkedReq', 'Batch', 'ForwardOutput']
 
 # %% ../nbs/00_core.ipynb #4642cdc0
-def _check(ok: bool, name: str, msg: str):
-    if not ok: raise ValueError(f"{name}: {msg}")
+class ParamError(ValueError):
+    "A value this package refuses: `param` names it, the message says what was expected and what came."
+    def __init__(self, param: str, msg: str):
+        super().__init__(f"{param}: {msg}")
+        self.param = param
 
-def _is_int(x) -> bool: return isinstance(x, int) and not isinstance(x, bool)
+def check(ok: bool, param: str, msg: str):
+    "Refuse a value unless `ok`: the one way every config and request of minisgl says what was wrong."
+    if not ok: raise ParamError(param, msg)
+
+def is_int(x) -> bool: return isinstance(x, int) and not isinstance(x, bool)
+
+def check_int(param: str, v, lo: int = 1, optional: bool = False):
+    "`v` must be an int >= `lo` (or None, when `optional`)."
+    if optional and v is None: return
+    check(is_int(v) and v >= lo, param, f"must be an int >= {lo}{' or None' if optional else ''}, got {v!r}")
+
+def check_choice(param: str, v, choices):
+    "`v` must be one of `choices`."
+    check(v in choices, param, f"must be one of {', '.join(map(repr, choices))}, got {v!r}")
+
+# %% ../nbs/00_core.ipynb #e111da62
+def option(default, help: str, **cli):
+    "A dataclass field with `default`, documented by `help`; `cli` holds argparse extras (`choices`, `flags`, `metavar`)."
+    return field(default=default, metadata=dict(help=help, **cli))
 
 # %% ../nbs/00_core.ipynb #20864541
 @dataclass
 class SamplingParams:
     "How to pick the next tokens of one request; validated on construction."
-    max_tokens: int = 16            # new tokens at most (>= 1)
+    max_tokens: int | None = 16     # new tokens at most (>= 1); None: as many as the context leaves
     temperature: float = 0.0        # 0 means greedy
     top_k: int = -1                 # -1 or 0 disables
     top_p: float = 1.0              # nucleus mass in (0, 1]
@@ -42,34 +64,57 @@ class SamplingParams:
     def __post_init__(self):
         if isinstance(self.stop, str): self.stop = [self.stop]
         self.stop, self.stop_token_ids = list(self.stop), list(self.stop_token_ids)
-        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, 'max_tokens', f'must be an int >= 1, got {self.max_tokens!r}')
-        _check(isinstance(self.temperature, (int, float)) and self.temperature >= 0, 'temperature', f'must be >= 0, got {self.temperature!r}')
-        _check(_is_int(self.top_k) and self.top_k >= -1, 'top_k', f'must be -1 or 0 (disabled) or >= 1, got {self.top_k!r}')
-        _check(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, 'top_p', f'must be in (0, 1], got {self.top_p!r}')
-        _check(isinstance(self.min_p, (int, float)) and 0 <= self.min_p <= 1, 'min_p', f'must be in [0, 1], got {self.min_p!r}')
-        _check(self.seed is None or _is_int(self.seed), 'seed', f'must be an int or None, got {self.seed!r}')
-        _check(all(isinstance(s, str) and s for s in self.stop), 'stop', f'must be non-empty strings, got {self.stop!r}')
-        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), 'stop_token_ids', f'must be ints >= 0, got {self.stop_token_ids!r}')
-        _check(isinstance(self.repetition_penalty, (int, float)) and self.repetition_penalty > 0, 'repetition_penalty', f'must be > 0, got {self.repetition_penalty!r}')
+        check_int('max_tokens', self.max_tokens, optional=True)
+        check(isinstance(self.temperature, (int, float)) and self.temperature >= 0, 'temperature', f'must be >= 0, got {self.temperature!r}')
+        check(is_int(self.top_k) and self.top_k >= -1, 'top_k', f'must be -1 or 0 (disabled) or >= 1, got {self.top_k!r}')
+        check(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, 'top_p', f'must be in (0, 1], got {self.top_p!r}')
+        check(isinstance(self.min_p, (int, float)) and 0 <= self.min_p <= 1, 'min_p', f'must be in [0, 1], got {self.min_p!r}')
+        check(self.seed is None or is_int(self.seed), 'seed', f'must be an int or None, got {self.seed!r}')
+        check(all(isinstance(s, str) and s for s in self.stop), 'stop', f'must be non-empty strings, got {self.stop!r}')
+        check(all(is_int(t) and t >= 0 for t in self.stop_token_ids), 'stop_token_ids', f'must be ints >= 0, got {self.stop_token_ids!r}')
+        check(isinstance(self.repetition_penalty, (int, float)) and self.repetition_penalty > 0, 'repetition_penalty', f'must be > 0, got {self.repetition_penalty!r}')
         for name in ('presence_penalty', 'frequency_penalty'):
             v = getattr(self, name)
-            _check(isinstance(v, (int, float)) and -2 <= v <= 2, name, f'must be in [-2, 2], got {v!r}')
-        _check(_is_int(self.n) and self.n >= 1, 'n', f'must be an int >= 1, got {self.n!r}')
-        _check(_is_int(self.top_logprobs) and 0 <= self.top_logprobs <= 20, 'top_logprobs', f'must be in 0..20, got {self.top_logprobs!r}')
+            check(isinstance(v, (int, float)) and -2 <= v <= 2, name, f'must be in [-2, 2], got {v!r}')
+        check_int('n', self.n)
+        check(is_int(self.top_logprobs) and 0 <= self.top_logprobs <= 20, 'top_logprobs', f'must be in 0..20, got {self.top_logprobs!r}')
 
     @property
     def is_greedy(self) -> bool:
         "True when sampling reduces to argmax."
         return self.temperature == 0 or self.top_k == 1
 
+    def choices(self) -> list[SamplingParams]:
+        "One `SamplingParams` per choice of `n`: each generates once, choice `i` seeded `seed + i`."
+        return [replace(self, n=1, seed=None if self.seed is None else self.seed + i) for i in range(self.n)]
+
+# %% ../nbs/00_core.ipynb #bddc937d
+def check_prompt(ids, max_tokens: int | None, vocab_size: int, max_seq_len: int, default: int | None = None) -> int:
+    "Check a prompt's token ids against the vocabulary and the context; return the `max_tokens` it may generate."
+    n = len(ids)
+    check(n > 0, 'prompt', 'must not be empty')
+    try: t = torch.as_tensor(ids)
+    except (TypeError, ValueError, RuntimeError, OverflowError): t = None
+    check(t is not None and t.dim() == 1 and not (t.is_floating_point() or t.dtype == torch.bool), 'prompt',
+          'must be a list of integer token ids')
+    bad = t[(t < 0) | (t >= vocab_size)]
+    check(len(bad) == 0, 'prompt', f'token ids must be in [0, {vocab_size}), got {bad[:5].tolist()}')
+    room = max_seq_len - n
+    check(room >= 1, 'prompt', f'prompt has {n} tokens, context {max_seq_len}: no room left to generate')
+    if max_tokens is None:
+        return room if default is None else min(default, room)
+    check(max_tokens <= room, 'max_tokens', f'prompt has {n} tokens, max_tokens {max_tokens}, context {max_seq_len}: '
+          'prompt + max_tokens must be <= context')
+    return max_tokens
+
 # %% ../nbs/00_core.ipynb #bebdb49f
 FinishReason = Literal['stop', 'length', 'abort', 'error']
 
 def _as_ids(x) -> torch.Tensor:
     t = torch.as_tensor(x)
-    if t.dim() != 1: raise ValueError(f"input_ids: must be 1-D, got shape {tuple(t.shape)}")
+    if t.dim() != 1: raise ParamError("input_ids", f"must be 1-D, got shape {tuple(t.shape)}")
     if t.numel() and (t.dtype.is_floating_point or t.dtype == torch.bool):
-        raise ValueError(f"input_ids: must hold integer token ids, got {t.dtype}")
+        raise ParamError("input_ids", f"must hold integer token ids, got {t.dtype}")
     return t.to(device='cpu', dtype=torch.int32)
 
 # %% ../nbs/00_core.ipynb #67891933
@@ -90,12 +135,12 @@ class Req:
     def __post_init__(self):
         self.input_ids = _as_ids(self.input_ids)
         self.prompt_len = self.device_len = len(self.input_ids)
-        _check(self.prompt_len >= 1, 'input_ids', 'must not be empty')
-        _check(_is_int(self.table_idx) and self.table_idx >= 0, 'table_idx', f'must be an int >= 0, got {self.table_idx!r}')
-        _check(_is_int(self.cached_len) and 0 <= self.cached_len < self.prompt_len, 'cached_len',
+        check(self.prompt_len >= 1, 'input_ids', 'must not be empty')
+        check_int('table_idx', self.table_idx, lo=0)
+        check(is_int(self.cached_len) and 0 <= self.cached_len < self.prompt_len, 'cached_len',
                f'must be in [0, len(input_ids)={self.prompt_len}) so that at least one token is computed, got {self.cached_len!r}')
-        _check(_is_int(self.output_len) and self.output_len >= 1, 'output_len', f'must be an int >= 1, got {self.output_len!r}')
-        _check(_is_int(self.uid), 'uid', f'must be an int, got {self.uid!r}')
+        check_int('output_len', self.output_len)
+        check(is_int(self.uid), 'uid', f'must be an int, got {self.uid!r}')
 
     @property
     def max_device_len(self) -> int: return self.prompt_len + self.output_len
@@ -144,18 +189,16 @@ class Batch:
     page_table: torch.Tensor | None = None   # [max_running_reqs, max_seq_len] int32 slots
 
     def __post_init__(self):
-        _check(self.phase in ('prefill', 'decode'), 'phase', f"must be 'prefill' or 'decode', got {self.phase!r}")
-        _check(len(self.reqs) > 0, 'reqs', 'a batch needs at least one request')
+        check(self.phase in ('prefill', 'decode'), 'phase', f"must be 'prefill' or 'decode', got {self.phase!r}")
+        check(len(self.reqs) > 0, 'reqs', 'a batch needs at least one request')
         if self.is_decode:
             bad = [r.uid for r in self.reqs if isinstance(r, ChunkedReq) or r.extend_len != 1]
-            _check(not bad, 'reqs', f'a decode batch computes one token per request; uids {bad} do not')
+            check(not bad, 'reqs', f'a decode batch computes one token per request; uids {bad} do not')
 
     @property
     def is_prefill(self) -> bool: return self.phase == 'prefill'
     @property
     def is_decode(self) -> bool: return self.phase == 'decode'
-    @property
-    def size(self) -> int: return len(self.reqs)
 
     def __repr__(self): return f"Batch({self.phase}: uids {[r.uid for r in self.reqs]})"
 
@@ -168,5 +211,5 @@ class ForwardOutput:
     top_logprobs: tuple[torch.Tensor, torch.Tensor] | None = None  # ([B, K] ids, [B, K] logprobs)
 
     def __post_init__(self):
-        _check(isinstance(self.next_tokens, torch.Tensor) and self.next_tokens.dim() == 1, 'next_tokens',
+        check(isinstance(self.next_tokens, torch.Tensor) and self.next_tokens.dim() == 1, 'next_tokens',
                f'must be a 1-D tensor, got {getattr(self.next_tokens, "shape", type(self.next_tokens))}')

@@ -12,20 +12,20 @@ import torch
 import torch.nn as nn
 from fastcore.basics import patch
 
-from .core import Batch, ForwardOutput, SamplingParams
-from .kernels import _ext
+from .core import Batch, ForwardOutput, SamplingParams, check, check_choice, check_int, option
 from .kvcache import KVPool
 from .linear import (KERNELS, ROW_BUCKETS, KernelPlan, PackedLinear, can_pack_linears, kernel_plan, linear_specs,
                             pack_linears)
 from .models import CausalLM, ForwardContext, ModelConfig
+from .scheduler import ModelRunner, SchedulerConfig
 from .sampling import SamplingBatch, sample
 from .weights import eos_token_ids, load_hf_config, load_model, load_tokenizer, resolve_model
 
 logger = logging.getLogger('minisgl.engine')
 
 # %% auto #0
-__all__ = ['logger', 'FIXED_LIMITS', 'EngineConfig', 'cpu_has_fast_bf16', 'free_memory', 'Engine', 'model_linear_specs',
-           'BatchLimits', 'linear_seconds', 'fit_limits']
+__all__ = ['logger', 'PLANNED_ROWS', 'FIXED_LIMITS', 'EngineConfig', 'cpu_has_fast_bf16', 'free_memory', 'Engine',
+           'model_linear_specs', 'BatchLimits', 'linear_seconds', 'fit_limits', 'EngineArgs']
 
 # %% ../nbs/08_engine.ipynb #2a257558
 _DTYPES = {'float32': torch.float32, 'fp32': torch.float32, 'bfloat16': torch.bfloat16, 'bf16': torch.bfloat16,
@@ -33,38 +33,39 @@ _DTYPES = {'float32': torch.float32, 'fp32': torch.float32, 'bfloat16': torch.bf
 
 @dataclass
 class EngineConfig:
-    "How to build an `Engine`; validated on construction (ValueError naming the field)."
-    model: str | None = None        # HF directory or .gguf file; None = the embedded default model
-    dtype: str = 'auto'             # 'auto' | 'float32' | 'bfloat16' | 'float16'
-    device: str = 'auto'            # 'auto' | 'cpu' | 'cuda' | 'cuda:N'
-    page_size: int = 16
-    num_pages: int | None = None    # KV pages; None: from mem_fraction
-    mem_fraction: float = 0.3       # of free RAM (CPU) or free GPU memory after the weights (CUDA)
-    max_running_reqs: int | None = None   # rows of the request table the KV pool is sized for; None: fitted (`fit_limits`)
-    max_seq_len: int | None = None  # context length; None: the model's max_position_embeddings
-    attention_backend: str | None = None   # None: by device ('cpu' C++ / 'cuda' / 'triton' / 'torch')
-    num_threads: int | None = None  # CPU threads for torch; None: torch's default (physical cores)
-    kernels: str = 'auto'           # CPU bf16 matmuls: 'auto' (a plan measured once per machine, chapter 04c), 'measure' (anew), or a kernel to force
-    kernel_layouts: int = 2         # weight layouts a linear may keep (1: one copy of the weights; 2: decode and prefill each their fastest)
+    "How to build an `Engine`; validated on construction (a `ParamError` naming the field)."
+    model: str | None = option(None, "Hugging Face model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)", metavar='PATH')
+    dtype: str = option('auto', "weights and KV dtype; auto: bfloat16 on GPUs and on CPUs with bf16 instructions, else float32",
+                        choices=('auto', 'float32', 'bfloat16', 'float16'))
+    device: str = option('auto', "auto, cpu, cuda or cuda:N; auto: cuda when available")
+    max_seq_len: int | None = option(None, "context length in tokens (default: the model's)", flags=('--max-seq-len', '--context-length'), metavar='N')
+    page_size: int = option(16, "tokens per KV page", metavar='N')
+    num_pages: int | None = option(None, "KV pages in the pool (default: from --kv-memory-gb, else --mem-fraction)", metavar='N')
+    kv_memory_gb: float | None = option(None, "KV cache budget in GiB, when --num-pages is not given", metavar='GB')
+    mem_fraction: float = option(0.3, "share of the free memory (after the weights) the KV cache takes when neither "
+                                      "--num-pages nor --kv-memory-gb is given", metavar='F')
+    max_running_reqs: int | None = option(None, "requests decoded together (default: fitted to this machine from the measured "
+                                                "kernel plan; logged)", flags=('--max-running-requests', '--max-running-reqs'), metavar='N')
+    attention_backend: str | None = option(None, "attention kernels (default: cpu on a CPU, cuda on a GPU)", choices=('cpu', 'cuda', 'triton', 'torch'))
+    num_threads: int | None = option(None, "CPU threads for torch (default: torch's, one per physical core)", metavar='N')
+    kernels: str = option('auto', "CPU bf16 matmul kernels: auto measures a plan once per machine and keeps it (see `minisgl tune`), "
+                                  "measure measures anew, a kernel name forces it", choices=('auto', 'measure', *KERNELS))
+    kernel_layouts: int = option(2, "weight layouts a linear may keep: 1 holds one copy of the weights, 2 lets decode and prefill "
+                                    "each take their fastest kernel", choices=(1, 2, 3), metavar='N')
 
     def __post_init__(self):
-        def bad(name, msg): raise ValueError(f'{name}: {msg}')
-        if self.dtype != 'auto' and self.dtype not in _DTYPES: bad('dtype', f'must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}')
-        if not (self.device in ('auto', 'cpu', 'cuda') or str(self.device).startswith('cuda:')):
-            bad('device', f"must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
-        for name in ('page_size',):
-            v = getattr(self, name)
-            if not (isinstance(v, int) and v >= 1): bad(name, f'must be an int >= 1, got {v!r}')
-        for name in ('num_pages', 'max_seq_len', 'num_threads', 'max_running_reqs'):
-            v = getattr(self, name)
-            if v is not None and not (isinstance(v, int) and v >= 1): bad(name, f'must be None or an int >= 1, got {v!r}')
-        if not (0 < self.mem_fraction <= 1): bad('mem_fraction', f'must be in (0, 1], got {self.mem_fraction!r}')
-        if self.kernels not in ('auto', 'measure', *KERNELS):
-            bad('kernels', f"must be 'auto', 'measure' or one of {', '.join(KERNELS)}, got {self.kernels!r}")
-        if not (isinstance(self.kernel_layouts, int) and 1 <= self.kernel_layouts <= 3):
-            bad('kernel_layouts', f'must be 1, 2 or 3, got {self.kernel_layouts!r}')
-        if self.attention_backend not in (None, 'cpu', 'cuda', 'triton', 'torch'):
-            bad('attention_backend', f"must be None, 'cpu', 'cuda', 'triton' or 'torch', got {self.attention_backend!r}")
+        check(self.dtype == 'auto' or self.dtype in _DTYPES, 'dtype', f'must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}')
+        check(self.device in ('auto', 'cpu', 'cuda') or str(self.device).startswith('cuda:'), 'device',
+              f"must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        check_int('page_size', self.page_size)
+        for name in ('num_pages', 'max_seq_len', 'num_threads', 'max_running_reqs'): check_int(name, getattr(self, name), optional=True)
+        check(self.kv_memory_gb is None or (isinstance(self.kv_memory_gb, (int, float)) and self.kv_memory_gb > 0),
+              'kv_memory_gb', f'must be > 0 or None, got {self.kv_memory_gb!r}')
+        check(isinstance(self.mem_fraction, (int, float)) and 0 < self.mem_fraction <= 1, 'mem_fraction', f'must be in (0, 1], got {self.mem_fraction!r}')
+        check_choice('kernels', self.kernels, ('auto', 'measure', *KERNELS))
+        check_choice('kernel_layouts', self.kernel_layouts, (1, 2, 3))
+        check(not isinstance(self.kernel_layouts, bool), 'kernel_layouts', 'must be 1, 2 or 3')
+        check_choice('attention_backend', self.attention_backend, (None, 'cpu', 'cuda', 'triton', 'torch'))
 
 # %% ../nbs/08_engine.ipynb #bf82b302
 def _resolve_device(device: str) -> torch.device:
@@ -123,9 +124,12 @@ class Engine:
 # %% ../nbs/08_engine.ipynb #84b007d0
 @patch
 def _pages_that_fit(self: Engine) -> int:
-    "KV pages to allocate when `num_pages` is not given."
+    "KV pages to allocate when `num_pages` is not given: `kv_memory_gb` GiB, else what `mem_fraction` of free memory holds."
     cfg = self.model.cfg
-    per_page = 2 * cfg.num_layers * self.page_size * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
+    per_page = 2 * cfg.num_layers * self.page_size * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize   # K and V, every layer
+    if (gb := self.config.kv_memory_gb) is not None:
+        check(int(gb * 2**30) >= per_page, 'kv_memory_gb', f'{gb} GiB holds no KV page of {per_page} bytes')
+        return int(gb * 2**30) // per_page
     by_memory = int(free_memory(self.device) * self.config.mem_fraction) // per_page
     # every running request may fill a whole context, in whole pages (+1: one more queued)
     useful = (self.limits.max_running_reqs + 1) * -(-self.max_seq_len // self.page_size)
@@ -142,11 +146,13 @@ def __repr__(self: Engine):
             f'{self.num_pages} pages x {self.page_size} tokens, max_seq_len={self.max_seq_len})')
 
 # %% ../nbs/08_engine.ipynb #277e87f7
+PLANNED_ROWS = 64   # the decode batches a plan measures when max_running_reqs is not set (fitting may pick fewer)
+
 @patch
 def _plan_kernels(self: Engine) -> KernelPlan:
     "Read or measure the kernel plan of this model's linears, make them follow it, and log it (with its memory cost)."
     c = self.config
-    self.linear_specs = linear_specs(self.model, c.max_running_reqs or 64)   # kept: the batch limits read them
+    self.linear_specs = linear_specs(self.model, c.max_running_reqs or PLANNED_ROWS)   # kept: the batch limits read them
     plan = kernel_plan(self.linear_specs, c.kernels, c.kernel_layouts)
     pack_linears(self.model, plan)
     extra, embed = 0, self.model.embed_tokens.weight.data_ptr()   # bytes of weight copies beyond one per linear
@@ -161,7 +167,7 @@ def _plan_kernels(self: Engine) -> KernelPlan:
     return plan
 
 # %% ../nbs/08_engine.ipynb #736b3146
-def model_linear_specs(model: str | None = None, max_running_reqs: int = 64) -> dict:
+def model_linear_specs(model: str | None = None, max_running_reqs: int = PLANNED_ROWS) -> dict:
     "The `LinearSpec`s of a model (HF directory, .gguf, None: the default) from its config alone: no weights are read."
     cfg = ModelConfig.from_hf(load_hf_config(resolve_model(model, progress=False)))
     with torch.device('meta'): m = CausalLM(cfg, max_seq_len=16)
@@ -183,7 +189,8 @@ class BatchLimits:
         if not self.rows_fitted or self.max_running_reqs <= rows: return self
         return replace(self, max_running_reqs=rows, why=f'{self.why}; rows capped by a pool of {pool_tokens} tokens')
 
-FIXED_LIMITS = BatchLimits(32, 2048, 2048)
+# without a plan: the scheduler's own defaults
+FIXED_LIMITS = BatchLimits(SchedulerConfig.max_running_reqs, SchedulerConfig.prefill_budget, SchedulerConfig.prefill_budget)
 
 # %% ../nbs/08_engine.ipynb #0d37c0da
 def linear_seconds(plan: KernelPlan, shape: tuple[int, int], rows: int) -> float | None:
@@ -225,6 +232,42 @@ def _fit_limits(self: Engine) -> BatchLimits:
     rows = self.config.max_running_reqs
     if rows is None: return fitted
     return replace(fitted, max_running_reqs=rows, why=f'max_running_reqs configured; budgets: {fitted.why}', rows_fitted=False)
+
+# %% ../nbs/08_engine.ipynb #dfa80129
+@dataclass
+class EngineArgs(EngineConfig):
+    "The engine's config and the scheduler's knobs: what `LLM`, `minisgl serve` and the shell take."
+    prefill_budget: int | None = option(None, "prompt tokens per prefill step; longer prompts are chunked (default: fitted: serve "
+                                              "keeps a step's matmuls under 100 ms, LLM and shell take 2048)",
+                                        flags=('--prefill-budget', '--max-prefill-tokens'), metavar='N')
+    cache: str = option(SchedulerConfig.cache, "prefix cache: radix shares prompt prefixes, naive does not", choices=('radix', 'naive'))
+    overlap: bool = option(SchedulerConfig.overlap, "overlap scheduling: prepare the next batch while the model runs")
+    schedule_policy: str | None = option(None, "prefill_first: prompt rounds first, as in the tutorial; mixed: running requests' "
+                                               "next tokens and prompt chunks in one batch, so arriving prompts do not stall streams "
+                                               "(default: mixed for serve, prefill_first for LLM and shell)",
+                                         choices=('prefill_first', 'mixed'))
+
+    def __post_init__(self):
+        super().__post_init__()
+        check(self.model is None or Path(self.model).expanduser().exists(), 'model', f'no such file or directory, got {self.model!r}')
+        check_int('prefill_budget', self.prefill_budget, optional=True)
+        SchedulerConfig(cache=self.cache, overlap=self.overlap, schedule_policy=self.schedule_policy or 'prefill_first')  # its rules
+
+    def scheduler_config(self, engine: ModelRunner | None = None, serving: bool = False) -> SchedulerConfig:
+        "The scheduler's config: what these args set, else the limits `engine` fitted (an `Engine`; else the fixed ones)."
+        limits = engine.limits if isinstance(engine, Engine) else FIXED_LIMITS
+        return SchedulerConfig(max_running_reqs=self.max_running_reqs or limits.max_running_reqs,
+                               prefill_budget=self.prefill_budget or (limits.serve_budget if serving else limits.prefill_budget),
+                               cache=self.cache, overlap=self.overlap,
+                               schedule_policy=self.schedule_policy or ('mixed' if serving else 'prefill_first'))
+
+    @property
+    def model_name(self) -> str:
+        "The name clients use for this model (`/v1/models`)."
+        if self.model is None:
+            from minisgl.weights import DEFAULT_MODEL
+            return DEFAULT_MODEL
+        return Path(self.model).stem if self.model.endswith(".gguf") else Path(self.model).name
 
 # %% ../nbs/08_engine.ipynb #9dc67b92
 def _plain_greedy(p: SamplingParams) -> bool:

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 # %% auto #0
-__all__ = ['store_kv_torch', 'decode_attention_torch', 'extend_attention_torch', 'available_backends', 'store_kv',
+__all__ = ['store_kv_torch', 'decode_attention_torch', 'extend_attention_torch', 'native', 'available_backends', 'store_kv',
            'decode_attention', 'extend_attention']
 
 # %% ../nbs/04_kernels.ipynb #f5d13d52
@@ -146,7 +146,7 @@ _BUILD_HINT = ("the C++ extension `minisgl._C` is not built: run "
 
 
 @functools.cache
-def _ext():
+def native():
     "The compiled extension, or None when it has not been built."
     try:
         return importlib.import_module("minisgl._C")
@@ -160,13 +160,13 @@ def _has_triton() -> bool:
 
 
 def _ext_has_cuda() -> bool:
-    ext = _ext()
+    ext = native()
     return ext is not None and ext.has_cuda()
 
 
 def available_backends() -> list[str]:
     "Backends usable in this process, fastest first: some of 'cpu', 'cuda', 'triton', and always 'torch'."
-    names = ["cpu"] if _ext() is not None else []
+    names = ["cpu"] if native() is not None else []
     if torch.cuda.is_available():
         names += ["cuda"] if _ext_has_cuda() else []
         names += ["triton"] if _has_triton() else []
@@ -182,7 +182,7 @@ def _resolve(backend: str | None, device: torch.device) -> str:
     if backend is not None:
         if backend not in ("cpu", "cuda", "triton", "torch"):
             raise ValueError(f"backend must be one of 'cpu', 'cuda', 'triton', 'torch', got {backend!r}")
-        if backend in ("cpu", "cuda") and _ext() is None:
+        if backend in ("cpu", "cuda") and native() is None:
             raise RuntimeError(f"backend={backend!r} needs {_BUILD_HINT}")
         if backend == "cpu" and device.type != "cpu":
             raise ValueError(f"backend='cpu' needs CPU tensors, got {device}")
@@ -209,7 +209,7 @@ def store_kv(k_cache: Tensor, v_cache: Tensor, out_loc: Tensor, k: Tensor, v: Te
     name = _resolve(backend, k_cache.device)
     if name in ("torch", "triton"):  # a scatter: torch's indexed copy is already a single kernel
         return store_kv_torch(k_cache, v_cache, out_loc, k, v)
-    _ext().store_kv(k_cache, v_cache, out_loc, k, v)
+    native().store_kv(k_cache, v_cache, out_loc, k, v)
 
 # %% ../nbs/04_kernels.ipynb #d6988e4d
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tensor,
@@ -223,7 +223,7 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Te
     if name == "triton":
         from minisgl.triton_attention import decode_attention_triton
         return decode_attention_triton(q, k_cache, v_cache, page_table, table_idx, seq_lens, scale, sliding_window)
-    return _ext().decode_attention(q, k_cache, v_cache, page_table, table_idx, seq_lens, float(scale), sliding_window)
+    return native().decode_attention(q, k_cache, v_cache, page_table, table_idx, seq_lens, float(scale), sliding_window)
 
 # %% ../nbs/04_kernels.ipynb #f77a00cc
 def extend_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tensor,
@@ -239,5 +239,5 @@ def extend_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Te
         from minisgl.triton_attention import extend_attention_triton
         return extend_attention_triton(q, k_cache, v_cache, page_table, table_idx, seq_lens, extend_lens,
                                        scale, sliding_window)
-    return _ext().extend_attention(q, k_cache, v_cache, page_table, table_idx, seq_lens, extend_lens,
+    return native().extend_attention(q, k_cache, v_cache, page_table, table_idx, seq_lens, extend_lens,
                                    float(scale), sliding_window)

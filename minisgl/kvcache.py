@@ -14,16 +14,11 @@ from typing import Iterable, Literal
 import torch
 from fastcore.basics import patch
 
-from .core import Req
+from .core import Req, check_choice, check_int
 
 # %% auto #0
 __all__ = ['KVPool', 'PageAllocator', 'TableManager', 'CacheHandle', 'NaivePrefixCache', 'RadixNode', 'RadixPrefixCache',
            'kv_slots_needed', 'CacheManager']
-
-# %% ../nbs/01_kvcache.ipynb #4759cf91
-def _pos_int(v, name: str):
-    if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
-        raise ValueError(f"{name}: must be an int >= 1, got {v!r}")
 
 # %% ../nbs/01_kvcache.ipynb #6c9ade87
 class KVPool:
@@ -31,7 +26,7 @@ class KVPool:
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = 'cpu'):
         for name, v in dict(num_layers=num_layers, num_pages=num_pages, page_size=page_size,
-                            num_kv_heads=num_kv_heads, head_dim=head_dim).items(): _pos_int(v, name)
+                            num_kv_heads=num_kv_heads, head_dim=head_dim).items(): check_int(name, v)
         self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
         self.kv_buffer = torch.zeros(2, num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype=dtype, device=device)
 
@@ -47,7 +42,7 @@ class KVPool:
 class PageAllocator:
     "The free list of KV pages."
     def __init__(self, num_pages: int):
-        _pos_int(num_pages, 'num_pages')
+        check_int('num_pages', num_pages)
         self.num_pages = num_pages
         self._free = list(range(num_pages - 1, -1, -1))   # a stack: a freed page is reused first
         self._is_free = [True] * num_pages
@@ -72,7 +67,7 @@ class PageAllocator:
 class TableManager:
     "Request slots: one row of `page_table` (token-level KV slots) and `token_pool` (token ids) per running request."
     def __init__(self, max_running_reqs: int, max_seq_len: int, device: str | torch.device = 'cpu'):
-        _pos_int(max_running_reqs, 'max_running_reqs'); _pos_int(max_seq_len, 'max_seq_len')
+        check_int('max_running_reqs', max_running_reqs); check_int('max_seq_len', max_seq_len)
         self.max_running_reqs, self.max_seq_len = max_running_reqs, max_seq_len
         self.page_table = torch.zeros(max_running_reqs, max_seq_len, dtype=torch.int32, device=device)
         self.token_pool = torch.zeros(max_running_reqs, max_seq_len, dtype=torch.int32, device=device)
@@ -102,7 +97,7 @@ class CacheHandle:
 # %% ../nbs/01_kvcache.ipynb #2db4f752
 class NaivePrefixCache:
     "No sharing: nothing is matched, nothing is kept."
-    def __init__(self, page_size: int): _pos_int(page_size, 'page_size'); self.page_size = page_size
+    def __init__(self, page_size: int): check_int('page_size', page_size); self.page_size = page_size
     evictable_size = protected_size = 0
     def match_prefix(self, ids) -> tuple[CacheHandle, list[int]]: return CacheHandle(0), []
     def insert(self, ids, pages) -> tuple[CacheHandle, int]: return CacheHandle(0), 0
@@ -139,7 +134,7 @@ def _common_len(a: tuple[int, ...], b: tuple[int, ...]) -> int:
 class RadixPrefixCache:
     "Prefix cache over a radix tree of page-aligned token sequences, with LRU eviction of unlocked leaves."
     def __init__(self, page_size: int):
-        _pos_int(page_size, 'page_size')
+        check_int('page_size', page_size)
         self.page_size = page_size
         self.root = RadixNode()
         self.evictable_size = 0     # tokens in nodes with ref_count == 0
@@ -289,13 +284,13 @@ def kv_slots_needed(cached_len: int, max_len: int, page_size: int) -> int:
 # %% ../nbs/01_kvcache.ipynb #724f870c
 class CacheManager:
     "Owns KV pages: free list, prefix cache, and each running request's private pages."
-    def __init__(self, num_pages: int, page_size: int, prefix_cache: Literal['radix', 'naive'] = 'radix',
+    def __init__(self, num_pages: int, page_size: int, cache: Literal['radix', 'naive'] = 'radix',
                  page_table: torch.Tensor | None = None):
-        _pos_int(page_size, 'page_size')
-        if prefix_cache not in ('radix', 'naive'): raise ValueError(f"prefix_cache: must be 'radix' or 'naive', got {prefix_cache!r}")
+        check_int('page_size', page_size)
+        check_choice('cache', cache, ('radix', 'naive'))
         self.page_size = page_size
         self.allocator = PageAllocator(num_pages)
-        self.prefix_cache = (RadixPrefixCache if prefix_cache == 'radix' else NaivePrefixCache)(page_size)
+        self.prefix_cache = (RadixPrefixCache if cache == 'radix' else NaivePrefixCache)(page_size)
         self.page_table = page_table
         self.owned: dict[int, list[int]] = {}    # table row -> its private pages, beyond its locked prefix
 

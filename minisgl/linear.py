@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from fastcore.basics import patch
 from torch import Tensor
 
-from .kernels import _ext
+from .kernels import native
 
 # %% auto #0
 __all__ = ['GEMV_MAX_ROWS', 'KERNELS', 'LAYOUT', 'ROW_BUCKETS', 'GEMV_PLAN_MAX_ROWS', 'PLAN_FORMAT', 'logger', 'NATIVE_KERNELS',
@@ -46,7 +46,7 @@ GEMV_MAX_ROWS = 3  # rows of x up to which `linear` uses the GEMV (the engine's 
 
 def gemv_available() -> bool:
     "Whether `minisgl._C` is built with `linear_gemv`."
-    ext = _ext()
+    ext = native()
     return ext is not None and hasattr(ext, 'linear_gemv')
 
 
@@ -72,7 +72,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if (x.device.type == 'cpu' and weight.dtype == torch.bfloat16 and x.dtype in (torch.bfloat16, torch.float32)
             and rows <= GEMV_MAX_ROWS and gemv_available()):
-        y = _ext().linear_gemv(x.reshape(-1, x.shape[-1]), weight, bias)
+        y = native().linear_gemv(x.reshape(-1, x.shape[-1]), weight, bias)
         return y.view(*x.shape[:-1], weight.shape[0])
     if weight.dtype != x.dtype: weight = weight.to(x.dtype)
     if bias is not None and bias.dtype != x.dtype: bias = bias.to(x.dtype)
@@ -87,7 +87,7 @@ GEMV_PLAN_MAX_ROWS = 8   # the GEMV's register block: past it every 8 rows strea
 
 def kernel_runs(kernel: str, rows: int, in_features: int = 2) -> bool:
     "Whether `kernel` can run a bf16 CPU linear of `rows` rows and `in_features` columns on this machine."
-    ext = _ext()
+    ext = native()
     if kernel == 'gemv': return gemv_available() and rows <= GEMV_PLAN_MAX_ROWS
     if kernel == 'tiles': return (ext is not None and hasattr(ext, 'linear_packed') and ext.linear_packed_available()
                                   and in_features % 2 == 0)
@@ -99,15 +99,15 @@ def kernel_runs(kernel: str, rows: int, in_features: int = 2) -> bool:
 def pack_weight(layout: str, weight: Tensor) -> Tensor:
     "A bf16 `weight` [N, K] in `layout`: 'plain' (as it is), 'tiles' (`linear_packed`) or 'onednn' (oneDNN's blocked format)."
     if layout == 'plain': return weight
-    if layout == 'tiles': return _ext().pack_linear_weight(weight)
+    if layout == 'tiles': return native().pack_linear_weight(weight)
     if layout == 'onednn': return torch.ops.mkldnn._reorder_linear_weight(weight, 1)
     raise ValueError(f"layout must be 'plain', 'tiles' or 'onednn', got {layout!r}")
 
 
 def run_linear(kernel: str, x: Tensor, w: Tensor, out_features: int, bias: Tensor | None = None) -> Tensor:
     "`x` [M, K] times a weight held in `kernel`'s layout (`pack_weight(LAYOUT[kernel], W)`), plus `bias`: [M, out_features]."
-    if kernel == 'gemv': return _ext().linear_gemv(x, w, bias)
-    if kernel == 'tiles': return _ext().linear_packed(x, w, out_features, bias)
+    if kernel == 'gemv': return native().linear_gemv(x, w, bias)
+    if kernel == 'tiles': return native().linear_packed(x, w, out_features, bias)
     if kernel == 'onednn': return torch.ops.mkldnn._linear_pointwise(x, w, bias, 'none', [], '')
     if kernel == 'torch': return F.linear(x, w, bias)
     raise ValueError(f'kernel must be one of {KERNELS}, got {kernel!r}')
@@ -131,7 +131,7 @@ def _cpu_model_and_flags() -> tuple[str, list[str]]:
 @functools.cache
 def _ext_hash() -> str | None:
     "A hash of the built extension's file (read once per process): a rebuilt kernel is another plan."
-    so = getattr(_ext(), '__file__', None)
+    so = getattr(native(), '__file__', None)
     return hashlib.sha1(Path(so).read_bytes()).hexdigest()[:16] if so else None
 
 

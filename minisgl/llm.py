@@ -7,116 +7,19 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterator
 
 from fastcore.basics import patch
 
-from .core import SamplingParams
-from .scheduler import Scheduler, SchedulerConfig
-from .tokenizer import AbortReq, TokenizerWorker, check_prompt, load_tokenizer
+from .core import FinishReason, SamplingParams
+from .engine import Engine, EngineArgs
+from .messages import AbortReq, GenerateReq, Rejected
+from .scheduler import ModelRunner, Scheduler
+from .tokenizer import TokenizerWorker
+from .weights import load_tokenizer
 
 # %% auto #0
-__all__ = ['EngineArgs', 'make_engine', 'engine_info', 'CompletionOutput', 'RequestOutput', 'LLM']
-
-# %% ../nbs/11_llm.ipynb #c3f3e88d
-@dataclass
-class EngineArgs:
-    "How to build the engine and its scheduler (shared by `LLM` and the server)."
-    model: str | None = None            # None: the embedded SmolLM2-135M-Instruct; or an HF dir / .gguf file
-    dtype: str = "auto"                 # auto | float32 | bfloat16 | float16 (auto: the engine's choice)
-    device: str = "auto"                # auto | cpu | cuda | cuda:N
-    page_size: int = 16                 # tokens per KV page
-    num_pages: int | None = None        # KV pages (None: from kv_memory_gb, else the engine's default)
-    kv_memory_gb: float | None = None   # KV cache budget in GiB, used when num_pages is None
-    max_seq_len: int | None = None      # context length (None: the model's, capped by the engine)
-    max_running_requests: int | None = None   # requests decoding together (None: fitted to the machine, chapter 08)
-    prefill_budget: int | None = None   # prompt tokens per prefill round, longer prompts are chunked (None: fitted)
-    cache: str = "radix"                # radix | naive prefix cache
-    overlap: bool = False               # overlap scheduling (CPU work of round k+1 during forward k)
-    schedule_policy: str | None = None   # prefill_first | mixed (chapter 02); None: prefill_first offline, mixed serving
-    kernels: str = "auto"               # CPU bf16 matmuls: auto (measured plan, cached) | measure | gemv | tiles | onednn | torch
-    kernel_layouts: int = 2             # weight layouts a linear may keep (1: one copy of the weights)
-    engine: str = "model"               # model | toy
-
-    def __post_init__(self):
-        def bad(name, msg): raise ValueError(f"{name}: {msg}, got {getattr(self, name)!r}")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"): bad("dtype", "must be auto, float32, bfloat16 or float16")
-        for name in ("page_size",):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1: bad(name, "must be an int >= 1")
-        for name in ("num_pages", "max_seq_len", "max_running_requests", "prefill_budget"):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or v < 1): bad(name, "must be an int >= 1 or None")
-        if self.kv_memory_gb is not None and self.kv_memory_gb <= 0: bad("kv_memory_gb", "must be > 0")
-        if self.cache not in ("radix", "naive"): bad("cache", "must be 'radix' or 'naive'")
-        if self.schedule_policy not in (None, "mixed", "prefill_first"): bad("schedule_policy", "must be 'mixed', 'prefill_first' or None")
-        if self.engine not in ("model", "toy"): bad("engine", "must be 'model' or 'toy'")
-        if self.kernels not in ("auto", "measure", "gemv", "tiles", "onednn", "torch"):
-            bad("kernels", "must be auto, measure, gemv, tiles, onednn or torch")
-        if self.kernel_layouts not in (1, 2, 3) or isinstance(self.kernel_layouts, bool): bad("kernel_layouts", "must be 1, 2 or 3")
-        if self.model is not None and not Path(self.model).expanduser().exists(): bad("model", "no such file or directory")
-
-# %% ../nbs/11_llm.ipynb #c487ff4b
-@patch
-def scheduler_config(self: EngineArgs, engine=None, serving: bool = False) -> SchedulerConfig:
-    """The scheduler's config: what these args set, else the limits `engine` fitted to the machine (for offline
-    throughput or, `serving`, for the gaps between streamed tokens), else the scheduler's defaults."""
-    fixed = SchedulerConfig()
-    limits = getattr(engine, 'limits', None)   # the toy engine measures nothing
-    rows = limits.max_running_reqs if limits else self.max_running_requests or fixed.max_running_reqs
-    fitted = (limits.serve_budget if serving else limits.prefill_budget) if limits else fixed.prefill_budget
-    policy = self.schedule_policy or ('mixed' if serving else 'prefill_first')
-    return SchedulerConfig(max_running_reqs=rows, prefill_budget=self.prefill_budget or fitted, cache=self.cache,
-                           overlap=self.overlap, schedule_policy=policy)
-
-@patch(as_prop=True)
-def model_name(self: EngineArgs) -> str:
-    "The name clients use for this model (`/v1/models`)."
-    if self.model is None:
-        from minisgl.weights import DEFAULT_MODEL
-        return DEFAULT_MODEL
-    return Path(self.model).stem if self.model.endswith(".gguf") else Path(self.model).name
-
-# %% ../nbs/11_llm.ipynb #636c18b4
-def make_engine(args: EngineArgs, tokenizer=None):
-    "The engine `args` describe: the real model, or the scheduler chapter's `ToyEngine`."
-    if args.engine == "toy":
-        from minisgl.scheduler import ToyEngine
-        vocab = len(tokenizer) if tokenizer is not None else 49152
-        seq = args.max_seq_len or 2048
-        rows = args.max_running_requests or SchedulerConfig().max_running_reqs
-        pages = args.num_pages or -(-(rows + 1) * seq // args.page_size)   # every slot can fill its context
-        kw = dict(num_pages=pages, page_size=args.page_size, max_seq_len=seq)
-        eos = [tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else [0]
-        return ToyEngine(vocab_size=vocab, eos_token_ids=eos, device="cpu" if args.device == "auto" else args.device, **kw)
-    from minisgl.engine import Engine, EngineConfig
-    cfg = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, page_size=args.page_size,
-                       num_pages=args.num_pages or _pages_for_memory(args), max_seq_len=args.max_seq_len,
-                       max_running_reqs=args.max_running_requests, kernels=args.kernels, kernel_layouts=args.kernel_layouts)
-    return Engine(cfg)
-
-# %% ../nbs/11_llm.ipynb #19323dbe
-def _pages_for_memory(args: EngineArgs) -> int | None:
-    "KV pages that fit in `args.kv_memory_gb` GiB (K and V, every layer), or None when it is not set."
-    if args.kv_memory_gb is None: return None
-    from minisgl.engine import _resolve_device, _resolve_dtype
-    from minisgl.weights import load_hf_config, resolve_model
-    c = load_hf_config(resolve_model(args.model, progress=False))
-    kv_heads = c.get("num_key_value_heads") or c["num_attention_heads"]
-    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-    itemsize = _resolve_dtype(args.dtype, _resolve_device(args.device)).itemsize
-    per_page = 2 * c["num_hidden_layers"] * args.page_size * kv_heads * head_dim * itemsize
-    pages = int(args.kv_memory_gb * 2**30) // per_page
-    if pages < 1: raise ValueError(f"kv_memory_gb: {args.kv_memory_gb} GiB holds no KV page of {per_page} bytes")
-    return pages
-
-# %% ../nbs/11_llm.ipynb #0951e295
-def engine_info(engine, tokenizer=None) -> dict:
-    "What the front end needs to know about `engine` to validate requests."
-    eos = list(getattr(engine, "eos_token_ids", []) or [])
-    if not eos and tokenizer is not None and tokenizer.eos_token_id is not None: eos = [tokenizer.eos_token_id]
-    return dict(vocab_size=int(engine.vocab_size), max_seq_len=int(engine.max_seq_len), eos_token_ids=eos,
-                page_size=int(engine.page_size), num_pages=int(engine.num_pages))
+__all__ = ['CompletionOutput', 'RequestOutput', 'LLM']
 
 # %% ../nbs/11_llm.ipynb #9343d30b
 @dataclass
@@ -125,7 +28,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None                                   # 'stop' | 'length' | 'abort' | 'error'
+    finish_reason: FinishReason | None
     logprobs: list[float] | None = None                         # logprob of each generated token
     top_logprobs: list[list[tuple[str, float]]] | None = None   # the K best alternatives per token
     error: str | None = None
@@ -148,39 +51,31 @@ class RequestOutput:
 # %% ../nbs/11_llm.ipynb #7884b246
 class LLM:
     "Generate text offline: the scheduler runs in this process. `LLM()` loads the embedded default model."
-    def __init__(self, model: str | None = None, **engine_args):
+    def __init__(self, model: str | None = None, engine: ModelRunner | None = None, **engine_args):
         self.args = EngineArgs(model=model, **engine_args)
-        self.tokenizer = load_tokenizer(self.args.model)
-        self.engine = make_engine(self.args, self.tokenizer)
-        self.info = engine_info(self.engine, self.tokenizer)
+        self.engine = engine or Engine(self.args)
+        self.tokenizer = self.engine.tokenizer if isinstance(self.engine, Engine) else load_tokenizer(self.args.model)
         detok = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)
         # outputs are consumed from step()'s return value; the default send_fn would keep them all
         self.scheduler = Scheduler(self.engine, self.args.scheduler_config(self.engine), send_fn=lambda outputs: None,
                                    detokenize=detok)
+        self.info = self.scheduler.info
         self.worker = TokenizerWorker(self.tokenizer, self.info)
         self._uids = itertools.count(1)
 
 # %% ../nbs/11_llm.ipynb #fc0f978c
 @patch
 def _encode(self: LLM, prompt: str | list[int]) -> list[int]:
-    if isinstance(prompt, str):
-        if not prompt: raise ValueError("prompts: a prompt must not be empty")
-        return self.tokenizer.encode(prompt)
-    ids = [int(t) for t in prompt]
-    bad = [t for t in ids if not 0 <= t < self.info["vocab_size"]]
-    if not ids or bad: raise ValueError(f"prompts: token ids must be non-empty and in [0, {self.info['vocab_size']}), got {bad[:5] or ids}")
-    return ids
+    return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
 
 @patch
 def _submit(self: LLM, ids: list[int], sp: SamplingParams) -> list[int]:
     "Queue `sp.n` choices of one prompt; return their uids."
-    try: check_prompt(ids, sp.max_tokens, self.info, chat=False)
-    except Exception as e: raise ValueError(f"sampling_params.max_tokens: {e}") from None
     uids = [next(self._uids) for _ in range(sp.n)]
-    params = [SamplingParams(**{**sp.__dict__, "n": 1, "seed": None if sp.seed is None else sp.seed + j})
-              for j in range(sp.n)]
-    for m in self.worker.add_request(uids, [ids], params): self.scheduler.submit(m)
+    reply, msgs = self.worker.handle_generate(GenerateReq(uids, sp, prompts=[ids]))
+    if isinstance(reply, Rejected): raise ValueError(reply.message)
+    for m in msgs: self.scheduler.submit(m)
     return uids
 
 # %% ../nbs/11_llm.ipynb #09cc8b40
@@ -257,7 +152,7 @@ def chat(self: LLM, messages: list[dict] | list[list[dict]], sampling_params: Sa
 def stream(self: LLM, prompt: str | list[int] | list[dict], sampling_params: SamplingParams | None = None) -> Iterator[str]:
     "Yield the text of one answer piece by piece (`prompt` may be a chat: a list of messages)."
     ids = self.apply_chat_template(prompt) if prompt and isinstance(prompt[0], dict) else self._encode(prompt)
-    sp = sampling_params or SamplingParams(max_tokens=256)
+    sp = sampling_params or SamplingParams(max_tokens=None)    # an answer: up to the end of the context
     if sp.n != 1: raise ValueError("sampling_params.n: stream() generates one choice")
     for t in self._drive(set(self._submit(ids, sp))):
         if t.text: yield t.text

@@ -213,8 +213,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, fused: bool = False):
         if fused:   # C++ (csrc/cpu/fused.cpp): one call, same rounding; the add and the norm write in place
-            if residual is None: return kernels._ext().rms_norm(x, self.weight, self.eps)
-            kernels._ext().fused_add_rms_norm_(x, residual, self.weight, self.eps)
+            if residual is None: return kernels.native().rms_norm(x, self.weight, self.eps)
+            kernels.native().fused_add_rms_norm_(x, residual, self.weight, self.eps)
             return x, residual
         if residual is not None:
             x = x + residual
@@ -251,7 +251,7 @@ class Attention(nn.Module):
 
     def _fused_attend(self, qkv, rotary: RotaryEmbedding, ctx: ForwardContext) -> torch.Tensor:
         "CPU fast path: rotary on q and k in place plus the K/V store in one C++ call, then the attention kernel."
-        ext, (k_cache, v_cache) = kernels._ext(), ctx.kv_caches[self.layer_id]
+        ext, (k_cache, v_cache) = kernels.native(), ctx.kv_caches[self.layer_id]
         n, hq, d = qkv.shape[0], self.num_heads, self.head_dim
         ext.rope_store_kv_(qkv, ctx.positions, rotary.cos, rotary.sin, k_cache, v_cache, ctx.out_loc,
                            hq, self.num_kv_heads)
@@ -272,7 +272,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x, fused: bool = False):
-        if fused: return self.down_proj(kernels._ext().silu_mul(self.gate_up_proj(x)))
+        if fused: return self.down_proj(kernels.native().silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
         return self.down_proj(F.silu(gate, inplace=True).mul_(up))   # in place: no new [N, inter] tensors
 
@@ -306,8 +306,8 @@ def _native_weight(lin: nn.Module, rows: int) -> torch.Tensor:
 def _decode_linear(lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
     "`lin(x)` in a fused decode step, by the kernel `_linear_kernel` names (a native one) or by the module."
     kern = _linear_kernel(lin, x.shape[0])
-    if kern == 'tiles': return kernels._ext().linear_packed(x, lin.tiles, lin.out_features, lin.bias)
-    if kern == 'gemv': return kernels._ext().linear_gemv(x, lin.weight, lin.bias)
+    if kern == 'tiles': return kernels.native().linear_packed(x, lin.tiles, lin.out_features, lin.bias)
+    if kern == 'gemv': return kernels.native().linear_gemv(x, lin.weight, lin.bias)
     return lin(x)
 
 class CausalLM(nn.Module):
@@ -337,7 +337,7 @@ class CausalLM(nn.Module):
         direct = fused and self._direct_decode(x, ctx)
         if direct:
             head = logits_idx is None and _linear_kernel(self.lm_head, x.shape[0]) in NATIVE_KERNELS
-            if not hasattr(kernels._ext(), 'decode_layers'): x, residual = self._decode_layers(x, ctx)
+            if not hasattr(kernels.native(), 'decode_layers'): x, residual = self._decode_layers(x, ctx)
             elif head:
                 return self._decode_layers_native(x, ctx, head=True)   # on to the logits, in the same call
             else: x, residual = self._decode_layers_native(x, ctx)
@@ -351,7 +351,7 @@ class CausalLM(nn.Module):
 
     def _direct_decode(self, x: torch.Tensor, ctx: ForwardContext) -> bool:
         "A bf16 decode step that `_decode_layers` can run: every layer matmul's kernel at this batch size is a native one."
-        ext, rows, l0 = kernels._ext(), x.shape[0], self.layers[0]
+        ext, rows, l0 = kernels.native(), x.shape[0], self.layers[0]
         if ctx.is_prefill or self.cfg.qk_norm or x.dtype != torch.bfloat16 or not hasattr(ext, 'linear_gemv'): return False
         lins = (l0.self_attn.qkv_proj, l0.self_attn.o_proj, l0.mlp.gate_up_proj, l0.mlp.down_proj)   # every layer: same shapes
         if any(_linear_kernel(m, rows) not in NATIVE_KERNELS for m in lins): return False
@@ -359,7 +359,7 @@ class CausalLM(nn.Module):
 
     def _decode_layers(self, x: torch.Tensor, ctx: ForwardContext):
         "All decoder layers of a small decode step as direct C++ calls: the same ops as `DecoderLayer`, minus the module calls."
-        ext, n = kernels._ext(), x.shape[0]
+        ext, n = kernels.native(), x.shape[0]
         norm_, rope_store_, attend = ext.fused_add_rms_norm_, ext.rope_store_kv_, ext.decode_attention
         cos, sin, pos, loc = self.rotary.cos, self.rotary.sin, ctx.positions, ctx.out_loc
         pt, ti, sl = ctx.page_table, ctx.table_idx, ctx.seq_lens
@@ -395,7 +395,7 @@ class CausalLM(nn.Module):
                 lin(self.lm_head) if kinds[-1] in NATIVE_KERNELS else None)
         weights, native_head = cache[kinds]
         att = self.layers[0].self_attn
-        out = kernels._ext().decode_layers(
+        out = kernels.native().decode_layers(
             x, weights, self.cfg.rms_norm_eps, [k for k, _ in ctx.kv_caches], [v for _, v in ctx.kv_caches],
             self.rotary.cos, self.rotary.sin, ctx.positions, ctx.out_loc, ctx.page_table, ctx.table_idx, ctx.seq_lens,
             att.num_heads, att.num_kv_heads, att.scale, [l.self_attn.sliding_window for l in self.layers],
@@ -404,6 +404,6 @@ class CausalLM(nn.Module):
 
     def can_fuse(self, x: torch.Tensor, ctx: ForwardContext) -> bool:
         "Whether the fused C++ ops (`minisgl._C`, CPU) can run this forward: CPU tensors, C++ backend, one dtype."
-        ext = kernels._ext()
+        ext = kernels.native()
         return (x.device.type == 'cpu' and ctx.backend in (None, 'cpu') and ext is not None
                 and hasattr(ext, 'rope_store_kv_') and x.dtype == self.norm.weight.dtype == self.rotary.cos.dtype)

@@ -8,11 +8,11 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
-from .core import SamplingParams
+from .core import ParamError, SamplingParams
 
 # %% auto #0
 __all__ = ['UNSUPPORTED_FIELDS', 'IGNORED_FIELDS', 'APIError', 'ChatMessage', 'ChatCompletionRequest', 'CompletionRequest',
@@ -47,21 +47,9 @@ def _refuse_unsupported(data: Any) -> Any:
     return {k: v for k, v in data.items() if k not in UNSUPPORTED_FIELDS and k not in IGNORED_FIELDS}
 
 # %% ../nbs/09_protocol.ipynb #cdfedc68
-def _check(ok: bool, msg: str) -> None:
+def _require(ok: bool, msg: str) -> None:
+    "A rule of the request's shape (pydantic turns the ValueError into a validation error)."
     if not ok: raise ValueError(msg)
-
-
-_BOUNDS = {  # field -> (test, the rule as the error message states it)
-    "max_tokens": (lambda v: v >= 1, ">= 1"),
-    "temperature": (lambda v: v >= 0, ">= 0"),
-    "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
-    "top_k": (lambda v: v == -1 or v >= 0, "-1 (disabled) or >= 0"),
-    "min_p": (lambda v: 0 <= v <= 1, "in [0, 1]"),
-    "presence_penalty": (lambda v: -2 <= v <= 2, "in [-2, 2]"),
-    "frequency_penalty": (lambda v: -2 <= v <= 2, "in [-2, 2]"),
-    "repetition_penalty": (lambda v: v > 0, "> 0"),
-    "n": (lambda v: 1 <= v <= 64, "in [1, 64]"),
-}
 
 # %% ../nbs/09_protocol.ipynb #153962dc
 class _SamplingRequest(BaseModel):
@@ -84,23 +72,23 @@ class _SamplingRequest(BaseModel):
     n: int = 1
     stream: bool = False
     stream_options: dict | None = None
+    default_max_tokens: ClassVar[int | None] = None   # for an unset max_tokens: None is the rest of the context
 
     @model_validator(mode="before")
     @classmethod
     def _before(cls, data): return _refuse_unsupported(data)
 
-    @field_validator(*_BOUNDS)
+    @field_validator("n")
     @classmethod
-    def _bounds(cls, v, info):
-        test, rule = _BOUNDS[info.field_name]
-        if v is not None: _check(test(v), f"{info.field_name} must be {rule}, got {v}")
+    def _n(cls, v):
+        _require(1 <= v <= 64, f"n must be in [1, 64], got {v}")   # the server's cap on choices per request
         return v
 
     @field_validator("stop")
     @classmethod
     def _stop(cls, v):
         stops = [v] if isinstance(v, str) else (v or [])
-        _check(all(s for s in stops), "stop strings must not be empty")
+        _require(all(s for s in stops), "stop strings must not be empty")
         return stops
 
     @field_validator("stream_options")
@@ -108,7 +96,7 @@ class _SamplingRequest(BaseModel):
     def _stream_options(cls, v):
         if v is not None:
             unknown = set(v) - {"include_usage", "continuous_usage_stats"}
-            _check(not unknown, f"stream_options: unknown field(s) {sorted(unknown)}")
+            _require(not unknown, f"stream_options: unknown field(s) {sorted(unknown)}")
         return v
 
     @property
@@ -133,7 +121,7 @@ class ChatMessage(BaseModel):
         if isinstance(v, list):
             parts = []
             for p in v:
-                _check(p.get("type") == "text" and isinstance(p.get("text"), str),
+                _require(p.get("type") == "text" and isinstance(p.get("text"), str),
                        f"only text content parts are supported, got type {p.get('type')!r}")
                 parts.append(p["text"])
             return "".join(parts)
@@ -150,17 +138,14 @@ class ChatCompletionRequest(_SamplingRequest):
     @field_validator("messages")
     @classmethod
     def _messages(cls, v):
-        _check(len(v) > 0, "messages must not be empty")
+        _require(len(v) > 0, "messages must not be empty")
         return v
 
     @model_validator(mode="after")
     def _after(self):
-        if self.max_completion_tokens is not None:
-            _check(self.max_completion_tokens >= 1, f"max_completion_tokens must be >= 1, got {self.max_completion_tokens}")
-            self.max_tokens = self.max_completion_tokens
+        if self.max_completion_tokens is not None: self.max_tokens = self.max_completion_tokens
         if self.top_logprobs is not None:
-            _check(0 <= self.top_logprobs <= 20, f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
-            _check(self.logprobs or self.top_logprobs == 0, "top_logprobs requires logprobs=true")
+            _require(self.logprobs or self.top_logprobs == 0, "top_logprobs requires logprobs=true")
         return self
 
     @property
@@ -171,21 +156,15 @@ class CompletionRequest(_SamplingRequest):
     "The body of `POST /v1/completions`."
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
+    default_max_tokens: ClassVar[int | None] = SamplingParams.max_tokens   # 16: OpenAI's default, and SamplingParams'
 
     @field_validator("prompt")
     @classmethod
     def _prompt(cls, v):
         prompts = [v] if isinstance(v, str) or (v and isinstance(v[0], int)) else v
-        _check(len(prompts) > 0, "prompt must not be empty")
+        _require(len(prompts) > 0, "prompt must not be empty")
         for p in prompts:
-            _check(len(p) > 0, "prompt must not be empty")
-            if not isinstance(p, str): _check(all(t >= 0 for t in p), "prompt token ids must be >= 0")
-        return v
-
-    @field_validator("logprobs")
-    @classmethod
-    def _logprobs(cls, v):
-        if v is not None: _check(0 <= v <= 20, f"logprobs must be in [0, 20], got {v}")
+            _require(len(p) > 0, "prompt must not be empty")
         return v
 
     @property
@@ -223,21 +202,20 @@ def parse_request(raw: bytes | str | dict, cls: type[_SamplingRequest]) -> _Samp
         raise APIError(msg, param=param) from None
 
 # %% ../nbs/09_protocol.ipynb #79dc181d
-def to_sampling_params(req: _SamplingRequest, max_tokens: int, choice: int = 0) -> SamplingParams:
-    "The scheduler's `SamplingParams` for choice `choice` of `req`, generating at most `max_tokens`."
-    kw: dict[str, Any] = dict(max_tokens=max_tokens, ignore_eos=req.ignore_eos, n=1,
+def to_sampling_params(req: _SamplingRequest) -> SamplingParams:
+    "The scheduler's `SamplingParams` of `req` (its `n` choices in one), checked by `SamplingParams`; `APIError` names the field."
+    kw: dict[str, Any] = dict(max_tokens=req.max_tokens, n=req.n, ignore_eos=req.ignore_eos, seed=req.seed,
                               stop=req.stop_list, stop_token_ids=list(req.stop_token_ids or []))
-    kw["temperature"] = 1.0 if req.temperature is None else req.temperature
-    for name in ("top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+    kw["temperature"] = 1.0 if req.temperature is None else req.temperature    # OpenAI's default
+    for name in ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
         if getattr(req, name) is not None: kw[name] = getattr(req, name)
-    if req.top_k is not None: kw["top_k"] = -1 if req.top_k == 0 else req.top_k
-    if req.seed is not None: kw["seed"] = req.seed + choice
-    k = req.num_top_logprobs
-    if isinstance(req, ChatCompletionRequest): kw["logprobs"] = req.logprobs
-    else: kw["logprobs"] = req.logprobs is not None
-    kw["top_logprobs"] = k
+    chat = isinstance(req, ChatCompletionRequest)
+    kw["logprobs"] = req.logprobs if chat else req.logprobs is not None
+    kw["top_logprobs"] = req.num_top_logprobs
     try: return SamplingParams(**kw)
-    except ValueError as e: raise APIError(str(e)) from None
+    except ParamError as e:
+        param = "logprobs" if e.param == "top_logprobs" and not chat else e.param   # a completion's name for it
+        raise APIError(str(e), param=param) from None
 
 # %% ../nbs/09_protocol.ipynb #d07bd826
 def chat_logprobs(entries: list[tuple[str, float, list[tuple[str, float]]]]) -> dict:

@@ -8,47 +8,25 @@ from __future__ import annotations
 import queue
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Literal, Protocol
 
 import torch
 from fastcore.basics import patch
 
-from .core import Batch, ChunkedReq, ForwardOutput, Req, SamplingParams
+from .core import (Batch, ChunkedReq, ForwardOutput, ParamError, Req, SamplingParams, check, check_choice, check_int,
+                          check_prompt)
 from .kvcache import CacheHandle, CacheManager, TableManager, kv_slots_needed
+from .messages import AbortMsg, TokenOutput, UserMsg
 
 # %% auto #0
-__all__ = ['UserMsg', 'AbortMsg', 'TokenOutput', 'SchedulerConfig', 'Engine', 'ToyEngine', 'DecodeManager', 'PendingReq',
-           'PrefillAdder', 'PrefillManager', 'Scheduler']
-
-# %% ../nbs/02_scheduler.ipynb #e2a7a0e5
-@dataclass
-class UserMsg:
-    "A new request: its prompt token ids and sampling parameters."
-    uid: int
-    input_ids: list[int] | torch.Tensor
-    sampling_params: SamplingParams = field(default_factory=SamplingParams)
-
-@dataclass
-class AbortMsg:
-    "Stop request `uid` (a client disconnected, or asked to cancel)."
-    uid: int
-
-@dataclass
-class TokenOutput:
-    "What one request got this round: a token, a finish, or an error."
-    uid: int
-    token_id: int | None
-    finished: bool
-    finish_reason: Literal['stop', 'length', 'abort', 'error'] | None = None
-    error: str | None = None          # why a request was rejected, with the numbers
-    logprob: float | None = None
-    top_logprobs: list[tuple[int, float]] | None = None
-    text: str | None = None           # on a stop-string finish: the output text, cut before the stop string
+__all__ = ['SchedulerConfig', 'ModelRunner', 'ToyEngine', 'DecodeManager', 'PendingReq', 'PrefillAdder', 'PrefillManager',
+           'Scheduler']
 
 # %% ../nbs/02_scheduler.ipynb #738fa41b
 @dataclass
 class SchedulerConfig:
+    "The scheduler's knobs, resolved (the engine's arguments leave some to be fitted: `EngineArgs.scheduler_config`)."
     max_running_reqs: int = 32        # request slots (rows of the request table)
     prefill_budget: int = 2048        # prompt tokens computed per prefill round
     cache: Literal['radix', 'naive'] = 'radix'
@@ -56,15 +34,13 @@ class SchedulerConfig:
     schedule_policy: Literal['prefill_first', 'mixed'] = 'prefill_first'   # the tutorial's, or mixed batches (below)
 
     def __post_init__(self):
-        for name in ('max_running_reqs', 'prefill_budget'):
-            v = getattr(self, name)
-            if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1): raise ValueError(f"{name}: must be an int >= 1, got {v!r}")
-        if self.cache not in ('radix', 'naive'): raise ValueError(f"cache: must be 'radix' or 'naive', got {self.cache!r}")
-        if self.schedule_policy not in ('prefill_first', 'mixed'):
-            raise ValueError(f"schedule_policy: must be 'prefill_first' or 'mixed', got {self.schedule_policy!r}")
+        check_int('max_running_reqs', self.max_running_reqs); check_int('prefill_budget', self.prefill_budget)
+        check_choice('cache', self.cache, ('radix', 'naive'))
+        check(isinstance(self.overlap, bool), 'overlap', f'must be True or False, got {self.overlap!r}')
+        check_choice('schedule_policy', self.schedule_policy, ('prefill_first', 'mixed'))
 
 # %% ../nbs/02_scheduler.ipynb #ef37690d
-class Engine(Protocol):
+class ModelRunner(Protocol):
     "What the scheduler needs from a model runner: its sizes, and one forward per batch."
     device: torch.device; page_size: int; num_pages: int; max_seq_len: int
     eos_token_ids: list[int]; vocab_size: int
@@ -76,7 +52,7 @@ class ToyEngine:
     def __init__(self, num_pages: int = 64, page_size: int = 1, max_seq_len: int = 64, vocab_size: int = 32,
                  eos_token_ids: list[int] = (0,), device: str = 'cpu'):
         for name, v in dict(num_pages=num_pages, page_size=page_size, max_seq_len=max_seq_len, vocab_size=vocab_size).items():
-            if not (isinstance(v, int) and v >= 1): raise ValueError(f"{name}: must be an int >= 1, got {v!r}")
+            check_int(name, v)
         self.num_pages, self.page_size, self.max_seq_len, self.vocab_size = num_pages, page_size, max_seq_len, vocab_size
         self.eos_token_ids, self.device = list(eos_token_ids), torch.device(device)
         self.kv = torch.full((num_pages * page_size,), -1, dtype=torch.int64, device=self.device)   # the "KV pool"
@@ -183,6 +159,8 @@ class PrefillManager:
     table_manager: TableManager
     decode_manager: DecodeManager
     pending_list: list[PendingReq] = field(default_factory=list)
+    prefix_hit_tokens: int = 0      # prompt tokens found in the prefix cache, at each request's admission
+    prompt_tokens: int = 0          # prompt tokens admitted (the hit rate's denominator)
 
     def add_one_req(self, pending: PendingReq):
         "Queue `pending` behind everyone already waiting."
@@ -204,7 +182,9 @@ class PrefillManager:
         reqs: list[Req] = []
         chunked: list[PendingReq] = []
         for pending in self.pending_list:
+            admitted = pending.chunked_req is None       # not the next chunk of a prompt already admitted
             if (req := adder.try_add_one(pending)) is None: break      # head-of-line: no skipping ahead
+            if admitted: self.prefix_hit_tokens += req.cached_len; self.prompt_tokens += pending.input_len
             pending.chunked_req = req if isinstance(req, ChunkedReq) else None
             if pending.chunked_req is not None: chunked.append(pending)
             reqs.append(req)
@@ -214,7 +194,7 @@ class PrefillManager:
 # %% ../nbs/02_scheduler.ipynb #e0eda8b5
 class Scheduler:
     "Receives requests, forms prefill or decode batches, runs them on an engine, and processes the results."
-    def __init__(self, engine: Engine, config: SchedulerConfig | None = None,
+    def __init__(self, engine: ModelRunner, config: SchedulerConfig | None = None,
                  recv_fn: Callable[[bool], list] | None = None, send_fn: Callable[[list[TokenOutput]], None] | None = None,
                  detokenize: Callable[[list[int]], str] | None = None):
         missing = [a for a in ('device', 'page_size', 'num_pages', 'max_seq_len', 'eos_token_ids', 'vocab_size', 'forward_batch')
@@ -386,19 +366,15 @@ def _prompt_ids(x) -> torch.Tensor | None:
 
 # %% ../nbs/02_scheduler.ipynb #2233e1b3
 @patch
-def _reject_reason(self: Scheduler, msg: UserMsg, ids: torch.Tensor) -> str | None:
-    n, out, ctx = len(ids), msg.sampling_params.max_tokens, self.engine.max_seq_len
-    if n == 0: return "prompt is empty"
-    if int(ids.min()) < 0 or int(ids.max()) >= self.engine.vocab_size:
-        return f"prompt has token ids outside [0, {self.engine.vocab_size})"
-    if n >= ctx: return f"prompt has {n} tokens, context length is {ctx}"
-    if n + out > ctx: return f"prompt has {n} tokens and max_tokens is {out}: {n + out} > context length {ctx}"
-    slots = self.cache_manager.slots_needed(0, n + out)
-    if slots > self.cache_manager.num_pages * self.cache_manager.page_size:
-        return f"request needs {slots} KV slots, the pool has {self.cache_manager.num_pages * self.cache_manager.page_size}"
-    if msg.sampling_params.stop and self.detokenize is None: return "stop strings need a detokenize function"
-    if self._find_live(msg.uid) is not None: return f"uid {msg.uid} is already running"
-    return None
+def _checked_params(self: Scheduler, msg: UserMsg, ids: torch.Tensor) -> SamplingParams:
+    "`msg`'s sampling parameters with `max_tokens` settled; a `ParamError` says why the request cannot run."
+    sp = msg.sampling_params
+    max_tokens = check_prompt(ids, sp.max_tokens, self.engine.vocab_size, self.engine.max_seq_len)   # chapter core
+    pool, slots = self.cache_manager.num_pages * self.cache_manager.page_size, self.cache_manager.slots_needed(0, len(ids) + max_tokens)
+    check(slots <= pool, 'max_tokens', f"request needs {slots} KV slots, the pool has {pool}")
+    check(not sp.stop or self.detokenize is not None, 'stop', "stop strings need a detokenize function")
+    check(self._find_live(msg.uid) is None, 'uid', f"{msg.uid} is already running")
+    return sp if max_tokens == sp.max_tokens else replace(sp, max_tokens=max_tokens)
 
 @patch
 def _find_live(self: Scheduler, uid: int) -> Req | PendingReq | None:
@@ -412,10 +388,12 @@ def _find_live(self: Scheduler, uid: int) -> Req | PendingReq | None:
 def _process_one_msg(self: Scheduler, msg: UserMsg | AbortMsg) -> list[TokenOutput]:
     if isinstance(msg, AbortMsg): return self._abort(msg.uid)
     if not isinstance(msg, UserMsg): raise TypeError(f"msg: expected UserMsg or AbortMsg, got {type(msg).__name__}")
-    ids = _prompt_ids(msg.input_ids)
-    error = "input_ids must be a 1-D list of int token ids" if ids is None else self._reject_reason(msg, ids)
-    if error is not None: return [TokenOutput(msg.uid, None, True, 'error', error=error)]
-    self.prefill_manager.add_one_req(PendingReq(msg.uid, ids, msg.sampling_params))
+    try:
+        ids = _prompt_ids(msg.input_ids)
+        check(ids is not None, 'input_ids', 'must be a 1-D list of int token ids')
+        sp = self._checked_params(msg, ids)
+    except ParamError as e: return [TokenOutput(msg.uid, None, True, 'error', error=str(e))]
+    self.prefill_manager.add_one_req(PendingReq(msg.uid, ids, sp))
     return []
 
 @patch
@@ -496,6 +474,28 @@ def check_integrity(self: Scheduler):
     rows = self.table_manager.free_rows + self._deferred_rows + [r.table_idx for r in live]
     assert sorted(rows) == list(range(self.table_manager.max_running_reqs)), f"table rows: free/deferred/live = {rows}"
     assert set(self.cache_manager.owned) == {r.table_idx for r in live}, "a row owns pages but runs nothing"
+
+# %% ../nbs/02_scheduler.ipynb #747ffe3a
+@patch(as_prop=True)
+def info(self: Scheduler) -> dict:
+    "The limits a front end checks requests against: the model's vocabulary and context, the scheduler's slots and budget."
+    e = self.engine
+    return dict(vocab_size=int(e.vocab_size), max_seq_len=int(e.max_seq_len), eos_token_ids=list(e.eos_token_ids),
+                page_size=int(e.page_size), num_pages=int(e.num_pages),
+                max_running_reqs=self.config.max_running_reqs, prefill_budget=self.config.prefill_budget)
+
+@patch
+def stats(self: Scheduler, integrity: bool = False) -> dict:
+    "Requests running and queued, KV pages by state, prefix-cache hits; with `integrity`, the result of `check_integrity`."
+    cm, pm = self.cache_manager, self.prefill_manager
+    s = dict(running=len(self.decode_manager.running_reqs), queued=len(pm.pending_list), pages_total=cm.num_pages,
+             pages_free=cm.num_free_pages, pages_cached=cm.num_cached_pages, pages_owned=cm.num_owned_pages,
+             pages_used=cm.num_pages - cm.num_free_pages,
+             prefix_hit_tokens=pm.prefix_hit_tokens, prefix_query_tokens=pm.prompt_tokens)
+    if integrity:
+        try: self.check_integrity(); s['integrity'] = 'ok'
+        except AssertionError as e: s['integrity'] = f'broken: {e}'
+    return s
 
 # %% ../nbs/02_scheduler.ipynb #81abf932
 @patch

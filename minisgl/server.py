@@ -9,143 +9,34 @@ import asyncio
 import itertools
 import logging
 import multiprocessing as mp
-import os
 import shutil
 import time
 from contextlib import asynccontextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+from typing import Callable
 
 import uvicorn
 import zmq
 import zmq.asyncio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from fastcore.basics import patch
 
-from .llm import EngineArgs, engine_info, make_engine
+from .core import SamplingParams, check, check_int, option
+from .engine import EngineArgs
+from .messages import (AbortReq, Accepted, ControlMsg, ControlReply, GenerateReq, IPCNames, Ready, Rejected, Stats,
+                              TextOutput)
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_chunk, chat_logprobs,
                               chat_response, completion_logprobs, completion_response, new_id, parse_request,
-                              sse, usage)
-from .tokenizer import (AbortReq, Accepted, ControlMsg, ControlReply, GenerateReq, IPCNames, Ready,
-                               Rejected, TextOutput, _ignore_sigint, load_tokenizer, run_tokenizer_worker)
+                              sse, to_sampling_params, usage)
+from .scheduler import ModelRunner
+from .scheduler_worker import run_scheduler_worker
+from .tokenizer import run_tokenizer_worker
 
 # %% auto #0
-__all__ = ['logger', 'StatsEngine', 'scheduler_stats', 'integrity', 'run_scheduler_worker', 'Metrics', 'ServerArgs', 'Frontend',
-           'build_app', 'Server', 'make_server', 'serve']
+__all__ = ['logger', 'Metrics', 'ServerArgs', 'Frontend', 'build_app', 'Server', 'make_server', 'serve']
 
 # %% ../nbs/12_server.ipynb #65bf8e1f
 logger = logging.getLogger("minisgl.server")
-
-# %% ../nbs/12_server.ipynb #0dc1a4ce
-class StatsEngine:
-    "Wraps an engine: counts prompt tokens and prefix-cache hits of each request's first prefill."
-    def __init__(self, engine):
-        self.engine, self.seen = engine, set()
-        self.hit_tokens = self.prompt_tokens = 0
-
-    def __getattr__(self, name): return getattr(self.engine, name)
-
-    def forward_batch(self, batch):
-        if batch.is_prefill:
-            for r in batch.reqs:
-                if r.uid not in self.seen:
-                    self.seen.add(r.uid)
-                    self.hit_tokens += r.cached_len; self.prompt_tokens += r.prompt_len
-        return self.engine.forward_batch(batch)
-
-    def forget(self, uid: int): self.seen.discard(uid)
-
-# %% ../nbs/12_server.ipynb #40a2170f
-def scheduler_stats(sched, engine: StatsEngine) -> dict:
-    "A snapshot of the scheduler's load and the KV cache's pages."
-    cm = sched.cache_manager
-    running, queued = len(sched.decode_manager.running_reqs), len(sched.prefill_manager.pending_list)
-    return dict(running=running, queued=queued, pages_total=cm.num_pages, pages_free=cm.num_free_pages,
-                pages_cached=cm.num_cached_pages, pages_owned=cm.num_owned_pages,
-                pages_used=cm.num_pages - cm.num_free_pages,
-                prefix_hit_tokens=engine.hit_tokens, prefix_query_tokens=engine.prompt_tokens)
-
-
-def integrity(sched) -> str:
-    "'ok', or the broken invariant of the KV page accounting."
-    try: sched.check_integrity(); return "ok"
-    except AssertionError as e: return f"broken: {e}"
-
-# %% ../nbs/12_server.ipynb #b4aa7e5a
-class _SchedulerIO:
-    "Sockets <-> `Scheduler`: the `recv_fn`/`send_fn` callbacks, control messages and stats pushes."
-    def __init__(self, inbox, send, engine: StatsEngine, parent: int):
-        self.inbox, self.send, self.engine, self.parent = inbox, send, engine, parent
-        self.sched = None                       # set once the Scheduler exists
-        self.stop, self.last_stats, self.last = False, 0.0, None
-
-    def push_stats(self, force: bool = False):
-        now = time.monotonic()
-        if force or now - self.last_stats > 0.2:
-            s = scheduler_stats(self.sched, self.engine)
-            if force or s != self.last: self.send(ControlReply(0, s))
-            self.last_stats, self.last = now, s
-
-    def handle(self, msg) -> bool:
-        "Our control messages; True when `msg` is for the scheduler itself."
-        if not isinstance(msg, ControlMsg): return True
-        if msg.kind == "stats":
-            self.send(ControlReply(msg.token, {**scheduler_stats(self.sched, self.engine), "integrity": integrity(self.sched)}))
-        elif msg.kind == "shutdown":
-            self.stop = True; self.sched.stop()
-        return False
-
-# %% ../nbs/12_server.ipynb #92f09770
-@patch
-def recv_fn(self: _SchedulerIO, blocking: bool = False) -> list:
-    msgs = []
-    while True:
-        if self.inbox.poll(500 if blocking else 0):
-            while True:
-                try: m = self.inbox.recv_pyobj(zmq.NOBLOCK)
-                except zmq.Again: break
-                if self.handle(m): msgs.append(m)
-        if os.getppid() != self.parent: self.stop = True; self.sched.stop()
-        self.push_stats()
-        if msgs or not blocking or self.stop: return msgs
-
-@patch
-def send_fn(self: _SchedulerIO, outputs: list) -> None:
-    if outputs: self.send(list(outputs))
-    for o in outputs:
-        if o.finished: self.engine.forget(o.uid)
-    self.push_stats()
-
-# %% ../nbs/12_server.ipynb #f4a1edba
-def run_scheduler_worker(names: IPCNames, args: EngineArgs, rank: int = 0, tp_size: int = 1) -> None:
-    "Main function of the scheduler process of rank `rank`."
-    from minisgl.scheduler import Scheduler
-    _ignore_sigint()
-    # a process of its own: its log lines (the engine's kernel plan, say) need the server's log level here too
-    logging.basicConfig(level=getattr(args, 'log_level', 'info').upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    parent = os.getppid()
-    ctx = zmq.Context()
-    inbox = ctx.socket(zmq.PULL); inbox.bind(names.scheduler(rank))
-    outbox = ctx.socket(zmq.PUSH); outbox.connect(names.detokenizer)
-    send = outbox.send_pyobj if rank == 0 else (lambda msg: None)   # only rank 0 answers
-    try:
-        try:
-            tok = load_tokenizer(args.model)
-            engine = StatsEngine(make_engine(args, tok))
-            config = args.scheduler_config(engine, serving=True)   # the limits the engine fitted, unless args set them
-            info = engine_info(engine, tok) | dict(max_running_reqs=config.max_running_reqs, prefill_budget=config.prefill_budget)
-        except Exception as e:
-            logger.exception("the scheduler failed to load the model")
-            send(Ready({"error": f"{type(e).__name__}: {e}"})); return
-        detok = lambda ids: tok.decode(ids, skip_special_tokens=True)
-        io = _SchedulerIO(inbox, send, engine, parent)
-        sched = io.sched = Scheduler(engine, config, recv_fn=io.recv_fn, send_fn=io.send_fn, detokenize=detok)
-        send(Ready(info))
-        io.push_stats(force=True)
-        try: (sched.overlap_loop if args.overlap else sched.normal_loop)()
-        finally: sched.close()
-    finally:
-        ctx.destroy(linger=500)
 
 # %% ../nbs/12_server.ipynb #950daca1
 class Metrics:
@@ -170,209 +61,185 @@ class Metrics:
         self.itl = Histogram("minisgl_inter_token_latency_seconds", "Time between two tokens of one choice", buckets=buckets, registry=r)
         self.e2e = Histogram("minisgl_e2e_request_latency_seconds", "Time from request arrival to its last token", buckets=buckets, registry=r)
 
-# %% ../nbs/12_server.ipynb #ce638453
-@patch
-def update(self: Metrics, s: dict):
-    self.running.set(s["running"]); self.queued.set(s["queued"])
-    self.pages_used.set(s["pages_used"]); self.pages_total.set(s["pages_total"]); self.pages_cached.set(s["pages_cached"])
-    self.hit_tokens.set(s["prefix_hit_tokens"])
-    self.hit_rate.set(s["prefix_hit_tokens"] / s["prefix_query_tokens"] if s["prefix_query_tokens"] else 0.0)
+    def update(self, s: dict):
+        "Copy the scheduler's last pushed snapshot (`Scheduler.stats`) into the gauges."
+        self.running.set(s["running"]); self.queued.set(s["queued"])
+        self.pages_used.set(s["pages_used"]); self.pages_total.set(s["pages_total"]); self.pages_cached.set(s["pages_cached"])
+        self.hit_tokens.set(s["prefix_hit_tokens"])
+        self.hit_rate.set(s["prefix_hit_tokens"] / s["prefix_query_tokens"] if s["prefix_query_tokens"] else 0.0)
 
-@patch
-def render(self: Metrics) -> bytes:
-    from prometheus_client import generate_latest
-    return generate_latest(self.registry)
+    def render(self) -> bytes:
+        "The body of `/metrics`."
+        from prometheus_client import generate_latest
+        return generate_latest(self.registry)
 
 # %% ../nbs/12_server.ipynb #6f693ceb
 @dataclass
 class ServerArgs(EngineArgs):
     "`EngineArgs` plus the HTTP server's own options."
-    host: str = "127.0.0.1"
-    port: int = 1919
-    max_queued_requests: int = 256
-    served_model_name: str | None = None
-    log_level: str = "info"
-    shutdown_timeout: float = 10.0    # seconds to wait for the workers to exit before killing them
+    host: str = option("127.0.0.1", "address to listen on")
+    port: int = option(1919, "port to listen on")
+    max_queued_requests: int = option(256, "requests allowed to wait beyond --max-running-requests; more get HTTP 429", metavar='N')
+    served_model_name: str | None = option(None, "model name in the API (default: from --model)", metavar='NAME')
+    log_level: str = option("info", "log level of the server and its workers", choices=("debug", "info", "warning", "error"))
+    shutdown_timeout: float = option(10.0, "seconds to wait for the workers to exit before killing them", metavar='S')
 
     def __post_init__(self):
         super().__post_init__()
-        if not isinstance(self.max_queued_requests, int) or self.max_queued_requests < 0:
-            raise ValueError(f"max_queued_requests: must be an int >= 0, got {self.max_queued_requests!r}")
-        if not 0 <= self.port < 65536: raise ValueError(f"port: must be in [0, 65535], got {self.port!r}")
+        check_int('max_queued_requests', self.max_queued_requests, lo=0)
+        check(isinstance(self.port, int) and 0 <= self.port < 65536, 'port', f'must be in [0, 65535], got {self.port!r}')
 
-    def engine_args(self) -> EngineArgs:
-        return EngineArgs(**{k: v for k, v in asdict(self).items() if k in EngineArgs.__dataclass_fields__})
-
-# %% ../nbs/12_server.ipynb #42e303be
+# %% ../nbs/12_server.ipynb #fe26db3e
 class Frontend:
     "The API server's half of the pipeline: admission, uids, queues, worker processes."
-    def __init__(self, args: ServerArgs):
-        self.args, self.model_name = args, args.served_model_name or args.model_name
+    def __init__(self, args: ServerArgs, engine_factory: Callable[[], ModelRunner] | None = None):
+        self.args, self.model_name, self.engine_factory = args, args.served_model_name or args.model_name, engine_factory
         self.metrics = Metrics()
         self.names: IPCNames | None = None
         self.procs: list = []
-        self.info: dict = {}
+        self.info: dict = {}                             # the scheduler's limits, from its Ready
         self.ready, self.error, self.stopping = False, None, False
-        self.pending: dict[int, tuple[asyncio.Queue, int]] = {}
-        self.waiters: dict[int, asyncio.Future] = {}     # first uid -> Accepted/Rejected; or control token
+        self.pending: dict[int, tuple[asyncio.Queue, int]] = {}   # uid -> (its request's queue, choice index)
+        self.verdicts: dict[int, asyncio.Future] = {}    # first uid of a request -> its Accepted/Rejected
+        self.controls: dict[int, asyncio.Future] = {}    # control token -> the scheduler's ControlReply data
         self.uids, self.tokens = itertools.count(1), itertools.count(1)
         self.on_fatal = None                             # called when a worker fails (the CLI stops the server)
 
-# %% ../nbs/12_server.ipynb #3aa46955
-@patch
-def start(self: Frontend):
-    self.names = IPCNames.create()
-    self.ipc_dir = self.names.dir
-    self.ctx = zmq.asyncio.Context()
-    self.inbox = self.ctx.socket(zmq.PULL); self.inbox.bind(self.names.api)
-    self.sync_ctx = zmq.Context()
-    self.outbox = self.sync_ctx.socket(zmq.PUSH); self.outbox.connect(self.names.tokenizer)
-    spawn = mp.get_context("spawn")
-    eargs = self.args.engine_args()
-    self.procs = [spawn.Process(target=run_tokenizer_worker, args=(self.names, eargs.model), name="minisgl-tokenizer", daemon=True),
-                  spawn.Process(target=run_scheduler_worker, args=(self.names, eargs, 0, 1), name="minisgl-scheduler-0", daemon=True)]
-    for p in self.procs: p.start()
-    self.receiver = asyncio.get_running_loop().create_task(self._receive_loop())
+    # life cycle
+    def start(self):
+        self.names = IPCNames.create()
+        self.ipc_dir = self.names.dir
+        self.ctx = zmq.asyncio.Context()
+        self.inbox = self.ctx.socket(zmq.PULL); self.inbox.bind(self.names.api)
+        self.sync_ctx = zmq.Context()
+        self.outbox = self.sync_ctx.socket(zmq.PUSH); self.outbox.connect(self.names.tokenizer)
+        spawn = mp.get_context("spawn")
+        self.procs = [spawn.Process(target=run_tokenizer_worker, args=(self.names, self.args.model), name="minisgl-tokenizer", daemon=True),
+                      spawn.Process(target=run_scheduler_worker, args=(self.names, self.args, self.args.log_level, self.engine_factory),
+                                    name="minisgl-scheduler", daemon=True)]
+        for p in self.procs: p.start()
+        self.receiver = asyncio.get_running_loop().create_task(self._receive_loop())
 
-@patch
-async def stop(self: Frontend):
-    "Abort what is in flight, stop the workers, remove the socket directory."
-    if self.names is None: return
-    self.stopping = True
-    self.receiver.cancel()
-    self.abort_all()
-    try: self.outbox.send_pyobj(ControlMsg("shutdown"), zmq.NOBLOCK)
-    except zmq.ZMQError: pass
-    deadline = time.monotonic() + self.args.shutdown_timeout
-    while any(p.is_alive() for p in self.procs) and time.monotonic() < deadline: await asyncio.sleep(0.05)
-    for p in self.procs:
-        if p.is_alive(): logger.warning("%s did not exit; terminating it", p.name); p.terminate(); p.join(3)
-        if p.is_alive(): p.kill(); p.join(3)
-    self.ctx.destroy(linger=0); self.sync_ctx.destroy(linger=0)
-    shutil.rmtree(self.names.dir, ignore_errors=True)
-    self.names = None
+    async def stop(self):
+        "Abort what is in flight, stop the workers, remove the socket directory."
+        if self.names is None: return
+        self.stopping = True
+        self.receiver.cancel()
+        self.abort_all()
+        try: self.outbox.send_pyobj(ControlMsg("shutdown"), zmq.NOBLOCK)
+        except zmq.ZMQError: pass
+        deadline = time.monotonic() + self.args.shutdown_timeout
+        while any(p.is_alive() for p in self.procs) and time.monotonic() < deadline: await asyncio.sleep(0.05)
+        for p in self.procs:
+            if p.is_alive(): logger.warning("%s did not exit; terminating it", p.name); p.terminate(); p.join(3)
+            if p.is_alive(): p.kill(); p.join(3)
+        self.ctx.destroy(linger=0); self.sync_ctx.destroy(linger=0)
+        shutil.rmtree(self.names.dir, ignore_errors=True)
+        self.names = None
 
-# %% ../nbs/12_server.ipynb #927a5008
-@patch
-def abort_all(self: Frontend):
-    "Finish every open request with finish_reason 'abort' and abort it in the scheduler."
-    uids = list(self.pending)
-    for uid in uids:
-        q, _ = self.pending.pop(uid)
-        q.put_nowait(TextOutput(uid, "", [], finished=True, finish_reason="abort"))
-    if uids: self._send(AbortReq(uids))
+    def abort_all(self):
+        "Finish every open request with finish_reason 'abort' and abort it in the scheduler."
+        uids = list(self.pending)
+        for uid in uids:
+            q, _ = self.pending.pop(uid)
+            q.put_nowait(TextOutput(uid, "", [], finished=True, finish_reason="abort"))
+        if uids: self._send(AbortReq(uids))
 
-@patch
-def _send(self: Frontend, msg):
-    self.outbox.send_pyobj(msg)
+    def _send(self, msg): self.outbox.send_pyobj(msg)
 
+    # receiving
+    async def _receive_loop(self):
+        last_check = time.monotonic()
+        while True:
+            if not await self.inbox.poll(1000) or time.monotonic() - last_check > 1:
+                self._check_workers(); last_check = time.monotonic()
+            while True:   # drain what has arrived
+                try: msg = await self.inbox.recv_pyobj(zmq.NOBLOCK)
+                except zmq.Again: break
+                self._handle(msg)
 
+    def _handle(self, msg):
+        if isinstance(msg, list):
+            for t in msg: self._deliver(t)
+        elif isinstance(msg, (Accepted, Rejected)): _resolve(self.verdicts.pop(msg.uids[0], None), msg)
+        elif isinstance(msg, ControlReply): _resolve(self.controls.pop(msg.token, None), msg.data)
+        elif isinstance(msg, Stats): self.metrics.update(msg.data)
+        elif isinstance(msg, Ready):
+            if "error" in msg.info: self._fatal(f"a worker failed to start: {msg.info['error']}")
+            else: self.info, self.ready = msg.info, True; logger.info("model ready: %s", msg.info)
 
-# %% ../nbs/12_server.ipynb #9401416c
-@patch
-async def _receive_loop(self: Frontend):
-    last_check = time.monotonic()
-    while True:
-        if not await self.inbox.poll(1000) or time.monotonic() - last_check > 1:
-            self._check_workers(); last_check = time.monotonic()
-        while True:   # drain what has arrived
-            try: msg = await self.inbox.recv_pyobj(zmq.NOBLOCK)
-            except zmq.Again: break
-            self._handle(msg)
-
-@patch
-def _handle(self: Frontend, msg):
-    if isinstance(msg, list):
-        for t in msg: self._deliver(t)
-    elif isinstance(msg, (Accepted, Rejected)):
-        fut = self.waiters.pop(msg.uids[0], None)
-        if fut is not None and not fut.done(): fut.set_result(msg)
-    elif isinstance(msg, ControlReply):
-        if msg.token == 0: self.metrics.update(msg.data); return
-        fut = self.waiters.pop(-msg.token, None)
-        if fut is not None and not fut.done(): fut.set_result(msg.data)
-    elif isinstance(msg, Ready):
-        if "error" in msg.info: self._fatal(f"a worker failed to start: {msg.info['error']}")
-        else: self.info, self.ready = msg.info, True; logger.info("model ready: %s", msg.info)
-
-@patch
-def _deliver(self: Frontend, t: TextOutput):
-    entry = self.pending.get(t.uid)
-    if entry is None: return          # aborted: nobody is listening any more
-    entry[0].put_nowait(t)
-    if t.finished:
-        del self.pending[t.uid]
-        self.metrics.finished.labels(t.finish_reason or "unknown").inc()
-    self.metrics.generation_tokens.inc(len(t.token_ids))
-    self.metrics.inflight.set(len(self.pending))
-
-# %% ../nbs/12_server.ipynb #19f248eb
-@patch
-def _check_workers(self: Frontend):
-    dead = [p.name for p in self.procs if not p.is_alive()]
-    if dead and self.error is None and not self.stopping: self._fatal(f"worker process(es) {dead} died")
-
-@patch
-def _fatal(self: Frontend, message: str):
-    logger.error(message)
-    self.error, self.ready = message, False
-    self.abort_all()
-    for fut in self.waiters.values():
-        if not fut.done(): fut.set_exception(APIError(message, status=503, type="service_unavailable"))
-    self.waiters.clear()
-    if self.on_fatal: self.on_fatal()
-
-
-
-# %% ../nbs/12_server.ipynb #6e1eff75
-@patch
-def check_ready(self: Frontend):
-    if not self.ready: raise APIError(self.error or "the model is still loading", status=503, type="service_unavailable")
-
-@patch
-async def submit(self: Frontend, req, prompts=None, messages=None) -> tuple[list[int], asyncio.Queue, list[int]]:
-    "Admit a request: (uids of its choices, the queue their outputs arrive in, prompt lengths)."
-    self.check_ready()
-    if req.model is not None and req.model not in (self.model_name, "default"):
-        raise APIError(f"model {req.model!r} does not exist; this server serves {self.model_name!r}",
-                       param="model", status=400, code="model_not_found")
-    count = (len(prompts) if prompts is not None else 1) * req.n
-    running = self.info.get("max_running_reqs", self.args.max_running_requests or 0)   # the worker's choice, once ready
-    if len(self.pending) + count > running + self.args.max_queued_requests:
-        raise APIError(f"server busy: {len(self.pending)} choices in flight, limit {running + self.args.max_queued_requests} "
-                       f"(max_running_requests {running} + max_queued_requests {self.args.max_queued_requests}); "
-                       "retry later", status=429, type="rate_limit_error", code="queue_full")
-    uids, q = [next(self.uids) for _ in range(count)], asyncio.Queue()
-    for i, u in enumerate(uids): self.pending[u] = (q, i)
-    fut = self.waiters[uids[0]] = asyncio.get_running_loop().create_future()
-    self._send(GenerateReq(uids, req, prompts=prompts, messages=messages))
-    try: reply = await fut
-    except BaseException: self.abort(uids); raise
-    if isinstance(reply, Rejected):
-        for u in uids: self.pending.pop(u, None)
-        raise APIError(reply.message, param=reply.param, status=reply.status)
-    self.metrics.prompt_tokens.inc(sum(reply.prompt_lens))
-    self.metrics.inflight.set(len(self.pending))
-    return uids, q, reply.prompt_lens
-
-# %% ../nbs/12_server.ipynb #a2fed9d8
-@patch
-def abort(self: Frontend, uids: list[int]):
-    "The client is gone: stop listening and abort the unfinished choices in the scheduler."
-    live = [u for u in uids if self.pending.pop(u, None) is not None]
-    if live:
-        self._send(AbortReq(live))
-        self.metrics.finished.labels("abort").inc(len(live))
+    def _deliver(self, t: TextOutput):
+        entry = self.pending.get(t.uid)
+        if entry is None: return          # aborted: nobody is listening any more
+        entry[0].put_nowait(t)
+        if t.finished:
+            del self.pending[t.uid]
+            self.metrics.finished.labels(t.finish_reason or "unknown").inc()
+        self.metrics.generation_tokens.inc(len(t.token_ids))
         self.metrics.inflight.set(len(self.pending))
 
-@patch
-async def control(self: Frontend, kind: str, timeout: float = 10.0) -> dict:
-    "Ask the scheduler (e.g. 'stats': counts, pages and an integrity check)."
-    self.check_ready()
-    token = next(self.tokens)
-    fut = self.waiters[-token] = asyncio.get_running_loop().create_future()
-    self._send(ControlMsg(kind, token))
-    return await asyncio.wait_for(fut, timeout)
+    def _check_workers(self):
+        dead = [p.name for p in self.procs if not p.is_alive()]
+        if dead and self.error is None and not self.stopping: self._fatal(f"worker process(es) {dead} died")
+
+    def _fatal(self, message: str):
+        logger.error(message)
+        self.error, self.ready = message, False
+        self.abort_all()
+        for fut in [*self.verdicts.values(), *self.controls.values()]:
+            if not fut.done(): fut.set_exception(APIError(message, status=503, type="service_unavailable"))
+        self.verdicts.clear(); self.controls.clear()
+        if self.on_fatal: self.on_fatal()
+
+    # admission
+    def check_ready(self):
+        if not self.ready: raise APIError(self.error or "the model is still loading", status=503, type="service_unavailable")
+
+    async def submit(self, req, params: SamplingParams, prompts=None, messages=None) -> tuple[list[int], asyncio.Queue, list[int]]:
+        "Admit a request: (uids of its choices, the queue their outputs arrive in, prompt lengths)."
+        self.check_ready()
+        if req.model is not None and req.model not in (self.model_name, "default"):
+            raise APIError(f"model {req.model!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", status=400, code="model_not_found")
+        count = (len(prompts) if prompts is not None else 1) * params.n
+        running, queued = self.info["max_running_reqs"], self.args.max_queued_requests
+        if len(self.pending) + count > running + queued:
+            raise APIError(f"server busy: {len(self.pending)} choices in flight, limit {running + queued} "
+                           f"(max_running_reqs {running} + max_queued_requests {queued}); retry later",
+                           status=429, type="rate_limit_error", code="queue_full")
+        uids, q = [next(self.uids) for _ in range(count)], asyncio.Queue()
+        for i, u in enumerate(uids): self.pending[u] = (q, i)
+        fut = self.verdicts[uids[0]] = asyncio.get_running_loop().create_future()
+        self._send(GenerateReq(uids, params, prompts=prompts, messages=messages, default_max_tokens=req.default_max_tokens))
+        try: reply = await fut
+        except BaseException: self.abort(uids); raise
+        if isinstance(reply, Rejected):
+            for u in uids: self.pending.pop(u, None)
+            raise APIError(reply.message, param=reply.param, status=reply.status)
+        self.metrics.prompt_tokens.inc(sum(reply.prompt_lens))
+        self.metrics.inflight.set(len(self.pending))
+        return uids, q, reply.prompt_lens
+
+    def abort(self, uids: list[int]):
+        "The client is gone: stop listening and abort the unfinished choices in the scheduler."
+        live = [u for u in uids if self.pending.pop(u, None) is not None]
+        if live:
+            self._send(AbortReq(live))
+            self.metrics.finished.labels("abort").inc(len(live))
+            self.metrics.inflight.set(len(self.pending))
+
+    async def control(self, kind: str, timeout: float = 10.0) -> dict:
+        "Ask the scheduler (e.g. 'stats': counts, pages and an integrity check)."
+        self.check_ready()
+        token = next(self.tokens)
+        fut = self.controls[token] = asyncio.get_running_loop().create_future()
+        self._send(ControlMsg(kind, token))
+        return await asyncio.wait_for(fut, timeout)
+
+
+def _resolve(fut: asyncio.Future | None, value):
+    "Give `value` to whoever awaits `fut` (nobody, if it gave up)."
+    if fut is not None and not fut.done(): fut.set_result(value)
 
 # %% ../nbs/12_server.ipynb #61e566b8
 class _Choices:
@@ -420,11 +287,12 @@ async def _generate(fe: Frontend, request: Request, kind: str):
     try:
         cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
         req = parse_request(await request.body(), cls)
+        params = to_sampling_params(req)            # every sampling rule: SamplingParams' own checks
         if kind == "chat":
             msgs = [m.model_dump(exclude_none=True) for m in req.messages]
-            uids, q, plens = await fe.submit(req, messages=msgs)
+            uids, q, plens = await fe.submit(req, params, messages=msgs)
         else:
-            uids, q, plens = await fe.submit(req, prompts=req.prompts)
+            uids, q, plens = await fe.submit(req, params, prompts=req.prompts)
     except APIError as e:
         fe.metrics.requests.labels(endpoint, str(e.status)).inc(); raise
     fe.metrics.requests.labels(endpoint, "200").inc()
@@ -564,17 +432,17 @@ class Server(uvicorn.Server):
         await super().serve(sockets)
 
 
-def make_server(args: ServerArgs) -> Server:
-    "A `Server` for `args` (call `.run()`, or run it in a thread in a notebook)."
-    fe = Frontend(args)
+def make_server(args: ServerArgs, engine_factory: Callable[[], ModelRunner] | None = None) -> Server:
+    "A `Server` for `args` (call `.run()`, or run it in a thread in a notebook); `engine_factory`: see `Frontend`."
+    fe = Frontend(args, engine_factory)
     config = uvicorn.Config(build_app(fe), host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=5, access_log=args.log_level == "debug")
     return Server(config, fe)
 
 # %% ../nbs/12_server.ipynb #0bde7157
-def serve(args: ServerArgs) -> int:
-    "Run the server until SIGINT/SIGTERM; return an exit code (1 when a worker failed)."
+def serve(args: ServerArgs, engine_factory: Callable[[], ModelRunner] | None = None) -> int:
+    "Run the server until SIGINT/SIGTERM; return an exit code (1 when a worker failed). `engine_factory`: see `Frontend`."
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    server = make_server(args)
+    server = make_server(args, engine_factory)
     server.run()
     return 1 if server.fe.error else 0

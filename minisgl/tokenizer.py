@@ -6,25 +6,17 @@
 from __future__ import annotations
 
 import os
-import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fastcore.basics import patch
 
-from .core import SamplingParams
-from .protocol import APIError, ChatCompletionRequest, CompletionRequest, to_sampling_params
-from .scheduler import AbortMsg, UserMsg
+from .core import ParamError, SamplingParams, check_prompt
+from .messages import (AbortMsg, AbortReq, Accepted, ControlMsg, GenerateReq, IPCNames, Ready, Rejected, TextOutput,
+                              TokenOutput, UserMsg, ignore_sigint)
+from .weights import load_tokenizer
 
 # %% auto #0
-__all__ = ['load_tokenizer', 'IncrementalDetokenizer', 'IPCNames', 'GenerateReq', 'AbortReq', 'ControlMsg', 'Accepted',
-           'Rejected', 'TextOutput', 'Ready', 'ControlReply', 'encode_request', 'check_prompt', 'TokenizerWorker',
-           'run_tokenizer_worker']
-
-# %% ../nbs/10_tokenizer.ipynb #babeb0a6
-def load_tokenizer(model: str | None = None):
-    "The HF tokenizer of `model` (None: the embedded default model), from its resolved directory."
-    from minisgl.weights import load_tokenizer as _load, resolve_model
-    return _load(resolve_model(model, progress=False))
+__all__ = ['IncrementalDetokenizer', 'encode_request', 'TokenizerWorker', 'run_tokenizer_worker']
 
 # %% ../nbs/10_tokenizer.ipynb #e327ddef
 def _held_len(text: str, stops: list[str]) -> int:
@@ -37,7 +29,7 @@ def _held_len(text: str, stops: list[str]) -> int:
 
 # %% ../nbs/10_tokenizer.ipynb #8ca6e11f
 class IncrementalDetokenizer:
-    "Turns a stream of token ids into a stream of complete text pieces, cutting at stop strings."
+    "Turns a stream of token ids into a stream of complete text pieces, holding back what may start a stop string."
     def __init__(self, tokenizer, prompt_ids: list[int] = (), stop: list[str] = (),
                  skip_special_tokens: bool = True, context: int = 4):
         self.tokenizer, self.stop, self.skip = tokenizer, list(stop), skip_special_tokens
@@ -45,7 +37,6 @@ class IncrementalDetokenizer:
         self.prefix_offset, self.read_offset = 0, len(self.ids)
         self.held = ""          # text withheld: it may be the start of a stop string
         self.text = ""          # everything emitted so far
-        self.stopped = False    # a stop string was seen; nothing more is emitted
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
@@ -61,12 +52,11 @@ def _new_text(self: IncrementalDetokenizer, final: bool = False) -> str:
 
 # %% ../nbs/10_tokenizer.ipynb #888a004a
 @patch
-def _emit(self: IncrementalDetokenizer, new: str, final: bool = False) -> str:
-    if self.stopped: return ""
+def _emit(self: IncrementalDetokenizer, new: str, final: bool = False, cut: bool = False) -> str:
     buf = self.held + new
-    hits = [(i, s) for s in self.stop if (i := buf.find(s)) >= 0]
-    if hits:
-        out, self.held, self.stopped = buf[:min(hits)[0]], "", True
+    if cut:
+        hits = [i for s in self.stop if (i := buf.find(s)) >= 0]
+        out, self.held = buf[:min(hits, default=len(buf))], ""
     else:
         k = 0 if final else _held_len(buf, self.stop)
         out, self.held = buf[:len(buf) - k], buf[len(buf) - k:]
@@ -81,88 +71,10 @@ def step(self: IncrementalDetokenizer, token_id: int) -> str:
     return self._emit(self._new_text())
 
 @patch
-def flush(self: IncrementalDetokenizer) -> str:
-    "The request is over: return whatever is left (an incomplete character, held text)."
-    return self._emit(self._new_text(final=True), final=True)
-
-# %% ../nbs/10_tokenizer.ipynb #079052e2
-@dataclass(frozen=True)
-class IPCNames:
-    "Addresses of the ZeroMQ sockets, all in one private directory."
-    dir: str
-
-    @classmethod
-    def create(cls) -> IPCNames: return cls(tempfile.mkdtemp(prefix="minisgl-"))
-    @property
-    def tokenizer(self) -> str: return f"ipc://{self.dir}/tokenizer"      # API server -> tokenizer
-    def scheduler(self, rank: int = 0) -> str: return f"ipc://{self.dir}/scheduler_{rank}"  # tokenizer -> scheduler
-    @property
-    def detokenizer(self) -> str: return f"ipc://{self.dir}/detokenizer"  # scheduler rank 0 -> detokenizer
-    @property
-    def api(self) -> str: return f"ipc://{self.dir}/api"                  # detokenizer -> API server
-
-# %% ../nbs/10_tokenizer.ipynb #52c9c813
-@dataclass
-class GenerateReq:
-    "API server -> tokenizer: one HTTP request, `len(uids) = len(prompts) * n` choices."
-    uids: list[int]
-    request: ChatCompletionRequest | CompletionRequest
-    prompts: list[str | list[int]] | None = None    # completions
-    messages: list[dict] | None = None              # chat
-
-
-@dataclass
-class AbortReq:
-    "API server -> tokenizer: stop these choices (client gone, server shutting down)."
-    uids: list[int]
-
-
-@dataclass
-class ControlMsg:
-    "Anyone -> scheduler: 'stats' (answered with a `ControlReply`) or 'shutdown'."
-    kind: str
-    token: int = 0
-
-# %% ../nbs/10_tokenizer.ipynb #58b40b28
-@dataclass
-class Accepted:
-    "Tokenizer -> API server: the request is valid and on its way to the scheduler."
-    uids: list[int]
-    prompt_lens: list[int]      # one per prompt (not per choice)
-
-
-@dataclass
-class Rejected:
-    "Tokenizer -> API server: the request is invalid (too long, bad token ids, ...)."
-    uids: list[int]
-    message: str
-    param: str | None = None
-    status: int = 400
-
-
-@dataclass
-class TextOutput:
-    "Detokenizer -> API server: what one choice produced this round."
-    uid: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[tuple[str, float, list[tuple[str, float]]]] | None = None
-    finished: bool = False
-    finish_reason: str | None = None
-    error: str | None = None
-
-
-@dataclass
-class Ready:
-    "Scheduler -> tokenizer -> API server: the model is loaded; its limits."
-    info: dict
-
-
-@dataclass
-class ControlReply:
-    "Scheduler -> tokenizer -> API server: the answer to a `ControlMsg`."
-    token: int
-    data: dict
+def finish(self: IncrementalDetokenizer, token_id: int | None = None, cut: bool = False) -> str:
+    "The request is over: return what is left (an incomplete character, held text), cut before the first stop string when `cut`."
+    if token_id is not None: self.ids.append(int(token_id))
+    return self._emit(self._new_text(final=True), final=True, cut=cut)
 
 # %% ../nbs/10_tokenizer.ipynb #10edc455
 def encode_request(tokenizer, msg: GenerateReq) -> list[list[int]]:
@@ -171,29 +83,11 @@ def encode_request(tokenizer, msg: GenerateReq) -> list[list[int]]:
         try:
             text = tokenizer.apply_chat_template(msg.messages, tokenize=False, add_generation_prompt=True)
         except Exception as e:
-            raise APIError(f"messages: the model's chat template failed: {e}", param="messages") from None
+            raise ParamError("messages", f"the model's chat template failed: {e}") from None
         return [tokenizer.encode(text, add_special_tokens=False)]
     return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in msg.prompts]
 
-# %% ../nbs/10_tokenizer.ipynb #b0a98ed8
-def check_prompt(ids: list[int], max_tokens: int | None, info: dict, chat: bool) -> int:
-    "Validate one prompt against the model's limits; return the `max_tokens` to use."
-    vocab, ctx = info["vocab_size"], info["max_seq_len"]
-    if not ids: raise APIError("prompt must not be empty", param="prompt")
-    bad = [t for t in ids if not 0 <= t < vocab]
-    if bad: raise APIError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}", param="prompt")
-    n = len(ids)
-    if max_tokens is None:
-        max_tokens = ctx - n if chat else min(16, ctx - n)
-        if max_tokens < 1:
-            raise APIError(f"prompt has {n} tokens, context {ctx}: no room left to generate",
-                           param="messages" if chat else "prompt")
-    elif n + max_tokens > ctx:
-        raise APIError(f"prompt has {n} tokens, max_tokens {max_tokens}, context {ctx}: "
-                       f"prompt + max_tokens must be <= context", param="max_tokens")
-    return max_tokens
-
-# %% ../nbs/10_tokenizer.ipynb #41db8c52
+# %% ../nbs/10_tokenizer.ipynb #db05ea0d
 @dataclass
 class _Choice:
     detok: IncrementalDetokenizer
@@ -204,89 +98,68 @@ class _Choice:
 class TokenizerWorker:
     "The tokenizer/detokenizer logic, without the sockets (see `run_tokenizer_worker`)."
     def __init__(self, tokenizer, info: dict):
-        self.tokenizer, self.info = tokenizer, info
+        self.tokenizer, self.info = tokenizer, info      # info: the scheduler's limits (`Scheduler.info`)
         self.choices: dict[int, _Choice] = {}
-        self.deferred: dict[int, list] = {}     # first uid of a prompt -> its siblings' UserMsgs
+        self.deferred: dict[int, list[UserMsg]] = {}     # first uid of a prompt -> its siblings' UserMsgs
 
-# %% ../nbs/10_tokenizer.ipynb #869b3c33
-@patch
-def add_request(self: TokenizerWorker, uids: list[int], prompts: list[list[int]], params: list[SamplingParams]) -> list:
-    "Register the choices `uids` (choice `i` is prompt `i*len(prompts)//len(uids)`); return the `UserMsg`s to send now."
-    n, out = len(uids) // len(prompts), []
-    for i, (uid, sp) in enumerate(zip(uids, params)):
-        p, j = prompts[i // n], i % n
-        finish = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.info.get("eos_token_ids", [])))
-        self.choices[uid] = _Choice(IncrementalDetokenizer(self.tokenizer, p, sp.stop), sp, finish)
-        um = UserMsg(uid=uid, input_ids=p, sampling_params=sp)
-        if j == 0: out.append(um)
-        else: self.deferred.setdefault(uids[i - j], []).append(um)
-    return out
+    def handle_generate(self, msg: GenerateReq) -> tuple[Accepted | Rejected, list[UserMsg]]:
+        "Tokenize and check one request: the reply for the API server, and the messages for the scheduler."
+        try:
+            prompts, params = encode_request(self.tokenizer, msg), []
+            for p in prompts:
+                max_tokens = check_prompt(p, msg.params.max_tokens, self.info["vocab_size"], self.info["max_seq_len"],
+                                          default=msg.default_max_tokens)
+                params += replace(msg.params, max_tokens=max_tokens).choices()
+        except ParamError as e:
+            param = "messages" if msg.messages is not None and e.param == "prompt" else e.param
+            return Rejected(msg.uids, str(e), param), []
+        return Accepted(msg.uids, [len(p) for p in prompts]), self.add_request(msg.uids, prompts, params)
 
-# %% ../nbs/10_tokenizer.ipynb #0798f46a
-@patch
-def handle_generate(self: TokenizerWorker, msg: GenerateReq) -> tuple[Accepted | Rejected, list]:
-    "Returns the reply for the API server and the messages for the scheduler."
-    req, chat = msg.request, msg.messages is not None
-    try:
-        prompts = encode_request(self.tokenizer, msg)
-        max_tokens = [check_prompt(p, req.max_tokens, self.info, chat) for p in prompts]
-        params = [to_sampling_params(req, max_tokens[i // req.n], choice=i % req.n) for i in range(len(msg.uids))]
-    except APIError as e:
-        return Rejected(msg.uids, e.message, e.param, e.status), []
-    out = self.add_request(msg.uids, prompts, params)
-    return Accepted(msg.uids, [len(p) for p in prompts]), out
+    def add_request(self, uids: list[int], prompts: list[list[int]], params: list[SamplingParams]) -> list[UserMsg]:
+        "Register the choices `uids` (choice `i` is prompt `i*len(prompts)//len(uids)`); return the `UserMsg`s to send now."
+        n, out = len(uids) // len(prompts), []
+        for i, (uid, sp) in enumerate(zip(uids, params)):
+            p, j = prompts[i // n], i % n
+            finish = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.info.get("eos_token_ids", [])))
+            self.choices[uid] = _Choice(IncrementalDetokenizer(self.tokenizer, p, sp.stop), sp, finish)
+            um = UserMsg(uid=uid, input_ids=p, sampling_params=sp)
+            if j == 0: out.append(um)
+            else: self.deferred.setdefault(uids[i - j], []).append(um)
+        return out
 
-# %% ../nbs/10_tokenizer.ipynb #c9d21f66
-@patch
-def handle_abort(self: TokenizerWorker, msg: AbortReq) -> tuple[list[TextOutput], list]:
-    "Forget the choices; abort them in the scheduler. Deferred siblings never reach it."
-    texts = []
-    for uid in msg.uids:
-        for sib in self.deferred.pop(uid, []):
-            if self.choices.pop(sib.uid, None) is not None:
-                texts.append(TextOutput(sib.uid, "", [], finished=True, finish_reason="abort"))
-    live = [u for u in msg.uids if self.choices.pop(u, None) is not None]
-    return texts, [AbortMsg(uid=u) for u in live]
+    def handle_abort(self, msg: AbortReq) -> tuple[list[TextOutput], list[AbortMsg]]:
+        "Forget the choices; abort them in the scheduler. Deferred siblings never reach it."
+        texts = []
+        for uid in msg.uids:
+            for sib in self.deferred.pop(uid, []):
+                if self.choices.pop(sib.uid, None) is not None:
+                    texts.append(TextOutput(sib.uid, "", [], finished=True, finish_reason="abort"))
+        live = [u for u in msg.uids if self.choices.pop(u, None) is not None]
+        return texts, [AbortMsg(uid=u) for u in live]
 
-# %% ../nbs/10_tokenizer.ipynb #11f1c22c
-@patch
-def _logprobs(self: TokenizerWorker, o) -> list | None:
-    if o.logprob is None or o.token_id is None: return None
-    dec = lambda t: self.tokenizer.decode([t])
-    return [(dec(o.token_id), float(o.logprob), [(dec(t), float(lp)) for t, lp in (o.top_logprobs or [])])]
+    def handle_outputs(self, outputs: list[TokenOutput]) -> tuple[list[TextOutput], list[UserMsg]]:
+        "One round of `TokenOutput`s -> `TextOutput`s for the API server, and the deferred siblings for the scheduler."
+        texts, to_scheduler = [], []
+        for o in outputs:
+            to_scheduler += self.deferred.pop(o.uid, [])
+            c = self.choices.get(o.uid)
+            if c is None: continue          # aborted
+            ids = [int(o.token_id)] if o.token_id is not None else []
+            tok = None if (o.finished and o.finish_reason == "stop" and o.token_id in c.finish_ids) else o.token_id  # EOS: no text
+            if o.finished:
+                text = c.detok.finish(tok, cut=o.finish_reason == "stop")
+                del self.choices[o.uid]
+            else: text = c.detok.step(tok) if tok is not None else ""
+            texts.append(TextOutput(o.uid, text, ids, self._logprobs(o) if c.params.logprobs else None,
+                                    o.finished, o.finish_reason, o.error))
+        return texts, to_scheduler
 
-
-@patch
-def handle_outputs(self: TokenizerWorker, outputs: list) -> tuple[list[TextOutput], list]:
-    "One round of `TokenOutput`s -> `TextOutput`s for the API server, messages for the scheduler."
-    texts, to_scheduler = [], []
-    for o in outputs:
-        to_scheduler += self.deferred.pop(o.uid, [])
-        c = self.choices.get(o.uid)
-        if c is None: continue          # finished here already (stop string) or aborted
-        text, ids = "", []
-        if o.token_id is not None:
-            ids = [int(o.token_id)]
-            ends_on_it = o.finished and o.finish_reason == "stop" and o.token_id in c.finish_ids
-            if not ends_on_it: text = c.detok.step(o.token_id)
-        finished, reason = o.finished, o.finish_reason
-        if c.detok.stopped and not finished:
-            finished, reason = True, "stop"
-            to_scheduler.append(AbortMsg(uid=o.uid))
-        if finished:
-            if not c.detok.stopped: text += c.detok.flush()
-            del self.choices[o.uid]
-        texts.append(TextOutput(o.uid, text, ids, self._logprobs(o) if c.params.logprobs else None,
-                                finished, reason, o.error))
-    return texts, to_scheduler
+    def _logprobs(self, o: TokenOutput) -> list | None:
+        if o.logprob is None or o.token_id is None: return None
+        dec = lambda t: self.tokenizer.decode([t])
+        return [(dec(o.token_id), float(o.logprob), [(dec(t), float(lp)) for t, lp in (o.top_logprobs or [])])]
 
 # %% ../nbs/10_tokenizer.ipynb #45683ce6
-def _ignore_sigint():
-    "Ctrl-C reaches the whole process group; only the API server decides what happens then."
-    import signal
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
 def _drain(sock):
     "Every message already waiting on `sock`, without blocking."
     import zmq
@@ -304,7 +177,7 @@ def _from_scheduler(msg, tok, worker: TokenizerWorker | None, to_api, send_sched
         texts, back = worker.handle_outputs(msg)
         send_sched(back)
         if texts: to_api.send_pyobj(texts)
-    else: to_api.send_pyobj(msg)        # ControlReply, errors
+    else: to_api.send_pyobj(msg)        # ControlReply, Stats
     return worker
 
 # %% ../nbs/10_tokenizer.ipynb #0bb58bb3
@@ -326,20 +199,18 @@ def _from_api(msg, worker: TokenizerWorker | None, to_api, send_sched) -> bool:
     return True
 
 # %% ../nbs/10_tokenizer.ipynb #f5646ce0
-def run_tokenizer_worker(names: IPCNames, model: str | None, tp_size: int = 1, tokenizer=None) -> None:
+def run_tokenizer_worker(names: IPCNames, model: str | None, tokenizer=None) -> None:
     "Main function of the tokenizer/detokenizer process."
     import zmq
-    _ignore_sigint()
+    ignore_sigint()
     parent = os.getppid()
     ctx = zmq.Context()
     from_api = ctx.socket(zmq.PULL); from_api.bind(names.tokenizer)
     from_sched = ctx.socket(zmq.PULL); from_sched.bind(names.detokenizer)
     to_api = ctx.socket(zmq.PUSH); to_api.connect(names.api)
-    to_sched = [ctx.socket(zmq.PUSH) for _ in range(tp_size)]
-    for r, s in enumerate(to_sched): s.connect(names.scheduler(r))
+    to_sched = ctx.socket(zmq.PUSH); to_sched.connect(names.scheduler)
     def send_sched(msgs):
-        for s in to_sched:
-            for m in msgs: s.send_pyobj(m)
+        for m in msgs: to_sched.send_pyobj(m)
     try:
         try: tok = tokenizer or load_tokenizer(model)
         except Exception as e:

@@ -186,10 +186,10 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device
     return model.eval().requires_grad_(False)
 
 # %% ../nbs/06_weights.ipynb #8cb7047f
-def load_tokenizer(model_dir: str | Path):
-    "The HF tokenizer saved in `model_dir`."
+def load_tokenizer(model: str | Path | None = None):
+    "The HF tokenizer of `model`, named as `resolve_model` takes it (None: the embedded default model)."
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(model_dir))
+    return AutoTokenizer.from_pretrained(str(resolve_model(model, progress=False)))
 
 def eos_token_ids(model_dir: str | Path, tokenizer=None) -> list[int]:
     "All end-of-sequence ids named by the generation config, the model config and the tokenizer."

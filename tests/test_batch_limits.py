@@ -97,7 +97,7 @@ def test_llm_scheduler_uses_the_fitted_limits():
     from minisgl.core import SamplingParams
     out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=4, ignore_eos=True))
     assert len(out[0].token_ids) == 4
-    llm2 = LLM(dtype="bfloat16", max_seq_len=512, max_running_requests=5, prefill_budget=300)
+    llm2 = LLM(dtype="bfloat16", max_seq_len=512, max_running_reqs=5, prefill_budget=300)
     assert (llm2.scheduler.config.max_running_reqs, llm2.scheduler.config.prefill_budget) == (5, 300)
 
 

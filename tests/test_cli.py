@@ -1,4 +1,5 @@
-"""The command line: help, option errors, `minisgl shell`, and `minisgl serve`'s start-up and SIGINT shutdown (toy engine)."""
+"""The command line: help, option errors, `minisgl shell`, and `minisgl serve`'s start-up and SIGINT shutdown
+(the server's plumbing on the `ToyEngine`, through tests/toy_serve.py; the shell on the embedded model)."""
 from __future__ import annotations
 
 import json
@@ -12,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from server_utils import ENV, ServerProc, survivors
+from server_utils import ENV, ServerProc, survivors, toy_engine
 
 MINISGL = [sys.executable, "-m", "minisgl"]
 
@@ -49,7 +50,7 @@ def test_console_script():
 
 
 def test_bad_option_value():
-    r = run("serve", "--page-size", "0", "--engine", "toy")
+    r = run("serve", "--page-size", "0")
     assert r.returncode == 2 and "page_size: must be an int >= 1" in r.stderr
     r = run("serve", "--model", "/nonexistent/model")
     assert r.returncode == 2 and "model: no such file or directory" in r.stderr
@@ -58,7 +59,7 @@ def test_bad_option_value():
 
 
 def test_shell_session():
-    r = run("shell", "--engine", "toy", "--max-tokens", "5", input="Hello there\n/reset\n/what\nAgain\n/exit\n")
+    r = run("shell", "--max-tokens", "5", "--num-pages", "64", "--max-seq-len", "512", input="Hello there\n/reset\n/what\nAgain\n/exit\n")
     assert r.returncode == 0, r.stderr
     assert "minisgl shell" in r.stdout and "(conversation reset)" in r.stdout and "unknown command '/what'" in r.stdout
     assert r.stdout.count(">>> ") == 5
@@ -71,13 +72,13 @@ PROMPTS = ["Hello there, how are you today?", "A second prompt"]
 def offline_answer():
     from minisgl.core import SamplingParams
     from minisgl.llm import LLM
-    return [o.text for o in LLM(engine="toy").generate(PROMPTS, SamplingParams(max_tokens=12))]
+    return [o.text for o in LLM(engine=toy_engine()()).generate(PROMPTS, SamplingParams(max_tokens=12))]
 
 
 @pytest.fixture(scope="module")
 def overlap_server():
     "Overlap scheduling and the naive cache; the last test stops it with SIGINT."
-    s = ServerProc("--engine", "toy", "--overlap", "--cache", "naive")
+    s = ServerProc("--overlap", "--cache", "naive", toy=True)
     yield s
     s.kill()
 
@@ -85,8 +86,8 @@ def overlap_server():
 @pytest.fixture(scope="module")
 def small_server():
     "One-token pages, chunked prefill of 4 tokens, one running request and one queued."
-    s = ServerProc("--engine", "toy", "--page-size", "1", "--prefill-budget", "4",
-                   "--max-running-requests", "1", "--max-queued-requests", "1")
+    s = ServerProc("--page-size", "1", "--prefill-budget", "4",
+                   "--max-running-requests", "1", "--max-queued-requests", "1", toy=True)
     yield s
     assert s.stop() == 0
 

@@ -13,7 +13,7 @@ import torch
 from minisgl import kernels
 from minisgl.models import CausalLM, ForwardContext, ModelConfig
 
-EXT = kernels._ext()
+EXT = kernels.native()
 pytestmark = pytest.mark.skipif(EXT is None or not hasattr(EXT, "decode_layers"),
                                 reason="minisgl._C not built (pip install --no-build-isolation -e .)")
 
@@ -183,7 +183,7 @@ def test_forward_logits_equal_python_path(model_type, monkeypatch):
     with torch.inference_mode():
         c_native = clone_ctx(ctx)
         native = m(ids, ctx.positions, dataclasses.replace(c_native, positions=None))
-        monkeypatch.setattr(kernels, "_ext", lambda: _WithoutNative())
+        monkeypatch.setattr(kernels, "native", lambda: _WithoutNative())
         c_py = clone_ctx(ctx)
         plain = m(ids, ctx.positions, dataclasses.replace(c_py, positions=None))
     assert native.dtype == plain.dtype == torch.float32 and native.shape == (3, m.cfg.vocab_size)
@@ -204,7 +204,7 @@ def test_forward_uses_native_head(monkeypatch):
             f = getattr(EXT, name)
             return (lambda *a, **k: (calls.append(name), f(*a, **k))[1]) if callable(f) else f
 
-    monkeypatch.setattr(kernels, "_ext", lambda: Spy())
+    monkeypatch.setattr(kernels, "native", lambda: Spy())
     monkeypatch.setattr(m.lm_head, "forward", lambda x: calls.append("lm_head") or torch.zeros(1))
     with torch.inference_mode(): logits = m(torch.tensor([3]), ctx.positions, clone_ctx(ctx))
     assert calls.count("decode_layers") == 1 and "lm_head" not in calls and "linear_gemv" not in calls

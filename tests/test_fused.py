@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from minisgl import kernels
 from minisgl.models import CausalLM, ForwardContext, ModelConfig, RMSNorm, RotaryEmbedding
 
-EXT = kernels._ext()
+EXT = kernels.native()
 needs_ext = pytest.mark.skipif(EXT is None or not hasattr(EXT, "rope_store_kv_"),
                                reason="minisgl._C not built (pip install --no-build-isolation -e .)")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

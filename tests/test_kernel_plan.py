@@ -19,7 +19,7 @@ from minisgl.linear import (KERNELS, LAYOUT, ROW_BUCKETS, LinearSpec, PackedLine
                             plan_cache_file, run_linear)
 
 ROOT = Path(__file__).resolve().parents[1]
-EXT = kernels._ext()
+EXT = kernels.native()
 pytestmark = pytest.mark.skipif(EXT is None or not hasattr(EXT, "linear_gemv"), reason="minisgl._C not built")
 MODEL_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
 
@@ -184,7 +184,7 @@ def test_forced_kernels_same_greedy_tokens():
     sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=True, top_logprobs=3)
     runs = {}
     for kernel in ("auto", *[k for k in KERNELS if kernel_runs(k, 1, 576)]):
-        llm = LLM(dtype="bfloat16", max_seq_len=256, max_running_requests=8, kernels=kernel)
+        llm = LLM(dtype="bfloat16", max_seq_len=256, max_running_reqs=8, kernels=kernel)
         assert llm.engine.kernel_plan is not None
         if kernel != "auto":
             assert llm.engine.kernel_plan.source == f"forced {kernel}"

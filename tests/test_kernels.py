@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from minisgl import kernels as K
 
 ROOT = Path(__file__).resolve().parents[1]
-HAS_EXT = K._ext() is not None
+HAS_EXT = K.native() is not None
 needs_ext = pytest.mark.skipif(not HAS_EXT, reason="minisgl._C not built (pip install --no-build-isolation -e .)")
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
@@ -139,7 +139,7 @@ def test_cpu_head_dims_fp16_and_strided_q(D):
         assert_matches(run("extend_attention", case, "cpu", 33), sdpa_reference(**case, sliding_window=33), dtype)
 
 
-BF16_DOT = HAS_EXT and K._ext().cpu_isa() == "avx512bf16"
+BF16_DOT = HAS_EXT and K.native().cpu_isa() == "avx512bf16"
 
 
 @needs_ext
@@ -150,7 +150,7 @@ def test_cpu_bf16_bodies_tight(D, Hq, Hkv):
     bf16; the error must stay near bf16's own rounding of the output (8e-3, four times tighter than the sweep's
     bound), at every tile edge (16 / 32 / 64 keys), for head dims that are not a multiple of 64 (80: masked
     tails), GQA groups of 1 to 8, windows, and q as a strided view; decode (the fp32 bodies) alike."""
-    print("cpu kernels:", K._ext().cpu_isa())
+    print("cpu kernels:", K.native().cpu_isa())
     lens = [1, 15, 16, 17, 31, 32, 33, 63, 64, 65, 129, 300]
     for window in (-1, 7, 40):
         case = make_case(D + Hq, lens, page=16, Hq=Hq, Hkv=Hkv, D=D, dtype=torch.bfloat16, strided_q=True)
@@ -199,7 +199,7 @@ def _variant_check():
             case = make_case(D, *EXTEND[2], page=16, Hq=8, Hkv=2, D=D, dtype=dtype)
             assert_matches(run("extend_attention", case, "cpu", window), sdpa_reference(**case, sliding_window=window),
                            dtype)
-    print(f"isa={K._ext().cpu_isa()}")
+    print(f"isa={K.native().cpu_isa()}")
 
 
 @needs_ext
@@ -208,8 +208,8 @@ def test_cpu_narrower_isa_variants(isa):
     """The kernels are compiled for AVX512-BF16 (bf16 caches only), AVX-512, AVX2 and baseline x86-64; check the
     variants this CPU would skip (avx512: the fp32 bodies over bf16 caches, what a CPU without AVX512-BF16 runs)."""
     order = ["baseline", "avx2", "avx512", "avx512bf16"]
-    if order.index(K._ext().cpu_isa()) <= order.index(isa):
-        pytest.skip(f"this CPU's kernels are {K._ext().cpu_isa()}: the {isa} variant is what the other tests run")
+    if order.index(K.native().cpu_isa()) <= order.index(isa):
+        pytest.skip(f"this CPU's kernels are {K.native().cpu_isa()}: the {isa} variant is what the other tests run")
     code = "import sys; sys.path.insert(0, 'tests'); import test_kernels; test_kernels._variant_check()"
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "MINISGL_CPU_ISA": isa},
                           capture_output=True, text=True, timeout=300)
@@ -303,7 +303,7 @@ def test_available_backends_and_dispatch():
 
 
 def test_missing_extension_says_how_to_build(monkeypatch):
-    monkeypatch.setattr(K, "_ext", lambda: None)
+    monkeypatch.setattr(K, "native", lambda: None)
     case = make_case(0, [5])
     with pytest.raises(RuntimeError, match=r"pip install --no-build-isolation -e \."):
         run("decode_attention", case, "cpu")
@@ -332,7 +332,7 @@ def test_python_checks_name_the_field(field, bad, match):
 def test_native_checks_name_the_argument():
     "The extension validates its own inputs (it may be called directly), naming the argument."
     case = make_case(0, [3, 4], [3, 2])
-    C = K._ext()
+    C = K.native()
     args = lambda **kw: {**{k: case[k] for k in ("q", "k_cache", "v_cache", "page_table", "table_idx",
                                                   "seq_lens", "extend_lens", "scale")}, **kw}
     with pytest.raises(RuntimeError, match="extend_lens"):

@@ -16,10 +16,10 @@ import torch.nn.functional as F
 from minisgl import linear as L
 
 HAS = L.gemv_available()
-EXT = L._ext()
+EXT = L.native()
 needs_ext = pytest.mark.skipif(not HAS, reason="minisgl._C not built (pip install --no-build-isolation -e .)")
 ORDER = ["baseline", "avx2", "avx512", "avx512bf16"]
-ISAS = ORDER[: ORDER.index(L._ext().linear_isa()) + 1] if HAS else []
+ISAS = ORDER[: ORDER.index(L.native().linear_isa()) + 1] if HAS else []
 
 
 def ref(x, w, b):
@@ -47,7 +47,7 @@ def test_random_shapes(isa, dtype, seed):
         b = torch.randn(N, generator=g).bfloat16() if (seed + M) % 2 else None
         stride = K + int(torch.randint(0, 40, (1,), generator=g))
         x = torch.randn(M, stride, generator=g).to(dtype)[:, :K]  # strided rows
-        y = L._ext().linear_gemv(x, w, b, isa)
+        y = L.native().linear_gemv(x, w, b, isa)
         assert y.dtype == dtype and y.shape == (M, N) and y.is_contiguous()
         close(y, ref(x, w, b), K, dtype)
 
@@ -60,12 +60,12 @@ def test_model_shapes_and_many_rows(isa):
         w = torch.randn(N, K, generator=g).bfloat16()
         for M in (1, 2, 8, 13):  # 13 rows: two passes over W
             x = torch.randn(M, K, generator=g).bfloat16()
-            close(L._ext().linear_gemv(x, w, None, isa), ref(x, w, None), K, torch.bfloat16)
+            close(L.native().linear_gemv(x, w, None, isa), ref(x, w, None), K, torch.bfloat16)
 
 
 @needs_ext
 def test_edge_cases():
-    ext = L._ext()
+    ext = L.native()
     w = torch.randn(5, 7).bfloat16()
     assert ext.linear_gemv(torch.randn(0, 7).bfloat16(), w).shape == (0, 5)
     b = torch.randn(4).bfloat16()

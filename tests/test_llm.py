@@ -96,9 +96,9 @@ def test_progress_bar(llm, capsys):
 
 
 @pytest.mark.parametrize("call,message", [
-    (lambda l: l.generate(""), "prompts: a prompt must not be empty"),
+    (lambda l: l.generate(""), "prompt: must not be empty"),
     (lambda l: l.generate([]), "prompts: must not be empty"),
-    (lambda l: l.generate([[1, 10**7]]), "prompts: token ids must be non-empty and in [0, 49152)"),
+    (lambda l: l.generate([[1, 10**7]]), "prompt: token ids must be in [0, 49152)"),
     (lambda l: l.generate("hi", SamplingParams(max_tokens=2000)), "prompt has 1 tokens, max_tokens 2000, context 1024"),
     (lambda l: l.generate(["a", "b"], [SamplingParams()]), "sampling_params: got 1 for 2 prompts"),
     (lambda l: l.chat([]), "messages: must be a non-empty list"),

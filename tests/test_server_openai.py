@@ -45,7 +45,7 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def tok():
-    from minisgl.tokenizer import load_tokenizer
+    from minisgl.weights import load_tokenizer
     return load_tokenizer()
 
 
@@ -268,13 +268,13 @@ BAD = [
     ("completions", {"prompt": ""}, "prompt must not be empty", "prompt"),
     ("completions", {"prompt": []}, "prompt must not be empty", "prompt"),
     ("completions", {"prompt": "hi", "model": "gpt-4"}, "model 'gpt-4' does not exist", "model"),
-    ("completions", {"prompt": "hi", "temperature": -0.5}, "temperature must be >= 0, got -0.5", "temperature"),
-    ("completions", {"prompt": "hi", "top_p": 0}, "top_p must be in (0, 1], got 0", "top_p"),
-    ("completions", {"prompt": "hi", "top_p": 1.5}, "top_p must be in (0, 1], got 1.5", "top_p"),
+    ("completions", {"prompt": "hi", "temperature": -0.5}, "temperature: must be >= 0, got -0.5", "temperature"),
+    ("completions", {"prompt": "hi", "top_p": 0}, "top_p: must be in (0, 1], got 0", "top_p"),
+    ("completions", {"prompt": "hi", "top_p": 1.5}, "top_p: must be in (0, 1], got 1.5", "top_p"),
     ("completions", {"prompt": "hi", "n": 0}, "n must be in [1, 64], got 0", "n"),
-    ("completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens must be >= 1, got 0", "max_tokens"),
+    ("completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens: must be an int >= 1 or None, got 0", "max_tokens"),
     ("chat", {"messages": CHAT, "max_tokens": "many"}, "max_tokens", "max_tokens"),
-    ("completions", {"prompt": [1, 2, 999999]}, "prompt token ids must be in [0, 49152), got [999999]", "prompt"),
+    ("completions", {"prompt": [1, 2, 999999]}, "prompt: token ids must be in [0, 49152), got [999999]", "prompt"),
     ("completions", {"prompt": PROMPT, "max_tokens": 100000}, f"prompt has 5 tokens, max_tokens 100000, context {CONTEXT}", "max_tokens"),
     ("chat", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools is not supported", "tools"),
     ("chat", {"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format is not supported", "response_format"),
@@ -299,7 +299,7 @@ def test_bad_input(server, endpoint, body, message, param):
 def test_bad_input_with_openai_client(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=CHAT, temperature=-1)
-    assert "temperature must be >= 0" in e.value.message
+    assert "temperature: must be >= 0" in e.value.message
 
 
 def test_bad_requests_change_nothing(server, answers):

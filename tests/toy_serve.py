@@ -1,0 +1,14 @@
+"""`minisgl serve` on the scheduler chapter's `ToyEngine`: the server's plumbing without weights (for tests only).
+
+Takes `minisgl serve`'s options (the same generated parser) and runs the same `serve`, with an `engine_factory`."""
+from __future__ import annotations
+
+import sys
+
+from minisgl.cli import args_from, build_parser
+from minisgl.server import ServerArgs, serve
+from server_utils import toy_engine
+
+if __name__ == "__main__":
+    args = args_from(build_parser().parse_args(["serve", *sys.argv[1:]]), ServerArgs)
+    sys.exit(serve(args, engine_factory=toy_engine(args)))
