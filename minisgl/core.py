@@ -11,7 +11,7 @@ from typing import Any, Literal
 import torch
 
 # %% auto #0
-__all__ = ['FinishReason', 'ParamError', 'check', 'is_int', 'check_int', 'check_choice', 'option', 'SamplingParams',
+__all__ = ['FinishReason', 'ParamError', 'check', 'is_int', 'check_int', 'check_choice', 'option', 'SamplingParams', 'first_stop',
            'check_prompt', 'Req', 'ChunkedReq', 'Batch', 'ForwardOutput']
 
 # %% ../nbs/00_core.ipynb #4642cdc0
@@ -57,7 +57,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # > 0
     presence_penalty: float = 0.0    # in [-2, 2]
     frequency_penalty: float = 0.0   # in [-2, 2]
-    n: int = 1                       # completions per prompt (expanded by the front end)
+    n: int = 1                       # completions per prompt (split by `choices`, below)
     logprobs: bool = False
     top_logprobs: int = 0            # 0..20
 
@@ -87,6 +87,11 @@ class SamplingParams:
     def choices(self) -> list[SamplingParams]:
         "One `SamplingParams` per choice of `n`: each generates once, choice `i` seeded `seed + i`."
         return [replace(self, n=1, seed=None if self.seed is None else self.seed + i) for i in range(self.n)]
+
+# %% ../nbs/00_core.ipynb #7672f0c5
+def first_stop(text: str, stop: list[str]) -> int | None:
+    "Where `text` ends at a stop string: the index of the first occurrence of any of `stop`, or None."
+    return min((i for s in stop if (i := text.find(s)) >= 0), default=None)
 
 # %% ../nbs/00_core.ipynb #bddc937d
 def check_prompt(ids, max_tokens: int | None, vocab_size: int, max_seq_len: int, default: int | None = None) -> int:

@@ -97,7 +97,7 @@ def free_memory(device: torch.device) -> int:
 
 # %% ../nbs/08_engine.ipynb #9e7e0d36
 class Engine:
-    "A model, its KV pool and a sampler behind the scheduler's engine interface."
+    "A model, its KV pool and a sampler behind the scheduler's `ModelRunner` interface."
     def __init__(self, config: EngineConfig | None = None, progress: bool = True):
         self.config = config = config or EngineConfig()
         if config.num_threads: torch.set_num_threads(config.num_threads)

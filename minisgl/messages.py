@@ -52,7 +52,7 @@ class IPCNames:
     @property
     def tokenizer(self) -> str: return f"ipc://{self.dir}/tokenizer"      # API server -> tokenizer
     @property
-    def scheduler(self) -> str: return f"ipc://{self.dir}/scheduler"      # tokenizer, API server -> scheduler
+    def scheduler(self) -> str: return f"ipc://{self.dir}/scheduler"      # tokenizer -> scheduler
     @property
     def detokenizer(self) -> str: return f"ipc://{self.dir}/detokenizer"  # scheduler -> detokenizer
     @property
@@ -83,7 +83,7 @@ class AbortReq:
 
 @dataclass
 class ControlMsg:
-    "API server -> scheduler: 'stats' (answered with a `ControlReply`) or 'shutdown'."
+    "API server -> tokenizer -> scheduler: 'stats' (answered with a `ControlReply`) or 'shutdown'."
     kind: str
     token: int = 0
 
@@ -118,18 +118,18 @@ class TextOutput:
 
 @dataclass
 class Ready:
-    "Scheduler -> API server: the model is loaded; its limits (`Scheduler.info`), or an `error`."
+    "Scheduler (through the detokenizer) -> API server: the model is loaded; its limits (`Scheduler.info`), or an `error` (of either worker)."
     info: dict
 
 
 @dataclass
 class ControlReply:
-    "Scheduler -> API server: the answer to the `ControlMsg` of the same `token`."
+    "Scheduler -> detokenizer -> API server: the answer to the `ControlMsg` of the same `token`."
     token: int
     data: dict
 
 
 @dataclass
 class Stats:
-    "Scheduler -> API server: a snapshot of its load (`Scheduler.stats`), pushed when it changes."
+    "Scheduler -> detokenizer -> API server: a snapshot of its load (`Scheduler.stats`), pushed when it changes."
     data: dict

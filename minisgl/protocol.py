@@ -86,10 +86,7 @@ class _SamplingRequest(BaseModel):
 
     @field_validator("stop")
     @classmethod
-    def _stop(cls, v):
-        stops = [v] if isinstance(v, str) else (v or [])
-        _require(all(s for s in stops), "stop strings must not be empty")
-        return stops
+    def _stop(cls, v): return [v] if isinstance(v, str) else (v or [])   # SamplingParams checks the strings
 
     @field_validator("stream_options")
     @classmethod

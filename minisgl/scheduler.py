@@ -15,7 +15,7 @@ import torch
 from fastcore.basics import patch
 
 from .core import (Batch, ChunkedReq, ForwardOutput, ParamError, Req, SamplingParams, check, check_choice, check_int,
-                          check_prompt)
+                          check_prompt, first_stop)
 from .kvcache import CacheHandle, CacheManager, TableManager, kv_slots_needed
 from .messages import AbortMsg, TokenOutput, UserMsg
 
@@ -292,13 +292,22 @@ def _forward(self: Scheduler, batch: Batch) -> ForwardOutput | Future:
 
 # %% ../nbs/02_scheduler.ipynb #29cfef70
 @patch
+def _output_text(self: Scheduler, req: Req, start: int = 0) -> str:
+    "The text of output tokens `start:` as the client sees it: decoded after the 4 tokens before them, as the detokenizer does."
+    # A SentencePiece tokenizer drops the leading space of the first token it decodes; with the same
+    # context as the detokenizer (chapter tokenizer), the text checked here is the text the client gets.
+    ids, begin = req.input_ids.tolist(), req.prompt_len + start
+    context = ids[max(0, begin - 4):begin]
+    return self.detokenize(context + ids[begin:])[len(self.detokenize(context)):]
+
+@patch
 def _tail_has_stop(self: Scheduler, req: Req) -> bool:
     "Could the newest token have completed a stop string? Decodes only the last few tokens."
     # An earlier occurrence would already have finished the request, so a new one ends in the tail.
     # Decoding the whole output every round would make long answers quadratic; a character is at
     # most 4 bytes and a token at least one, so 4 tokens per character (plus slack) always cover it.
     window = 4 * max(map(len, req.sampling_params.stop)) + 4
-    tail = self.detokenize(req.output_ids[-window:])
+    tail = self._output_text(req, max(0, len(req.output_ids) - window))
     return any(s in tail for s in req.sampling_params.stop)
 
 @patch
@@ -306,9 +315,8 @@ def _finish_reason(self: Scheduler, req: Req, token: int) -> tuple[str | None, s
     sp = req.sampling_params
     if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.engine.eos_token_ids): return 'stop', None
     if sp.stop and self._tail_has_stop(req):
-        text = self.detokenize(req.output_ids)
-        hits = [i for i in (text.find(s) for s in sp.stop) if i >= 0]
-        if hits: return 'stop', text[:min(hits)]
+        text = self._output_text(req)
+        if (end := first_stop(text, sp.stop)) is not None: return 'stop', text[:end]
     if len(req.output_ids) >= req.output_len: return 'length', None
     return None, None
 
@@ -353,24 +361,13 @@ def _release_deferred_rows(self: Scheduler):
     for row in self._deferred_rows: self.table_manager.free(row)
     self._deferred_rows.clear()
 
-# %% ../nbs/02_scheduler.ipynb #be9e9168
-def _prompt_ids(x) -> torch.Tensor | None:
-    "The prompt as a 1-D int32 tensor, or None if it is not a sequence of integer ids."
-    if isinstance(x, torch.Tensor):
-        ok = x.dim() == 1 and not (x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool)
-        return x.to('cpu', torch.int32) if ok else None
-    try: ids = list(x)
-    except TypeError: return None
-    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids): return None
-    return torch.tensor(ids, dtype=torch.int64).clamp(-1, 2**31 - 1).to(torch.int32)
-
 # %% ../nbs/02_scheduler.ipynb #2233e1b3
 @patch
-def _checked_params(self: Scheduler, msg: UserMsg, ids: torch.Tensor) -> SamplingParams:
+def _checked_params(self: Scheduler, msg: UserMsg) -> SamplingParams:
     "`msg`'s sampling parameters with `max_tokens` settled; a `ParamError` says why the request cannot run."
-    sp = msg.sampling_params
-    max_tokens = check_prompt(ids, sp.max_tokens, self.engine.vocab_size, self.engine.max_seq_len)   # chapter core
-    pool, slots = self.cache_manager.num_pages * self.cache_manager.page_size, self.cache_manager.slots_needed(0, len(ids) + max_tokens)
+    sp, n = msg.sampling_params, len(msg.input_ids)
+    max_tokens = check_prompt(msg.input_ids, sp.max_tokens, self.engine.vocab_size, self.engine.max_seq_len)   # chapter core
+    pool, slots = self.cache_manager.num_pages * self.cache_manager.page_size, self.cache_manager.slots_needed(0, n + max_tokens)
     check(slots <= pool, 'max_tokens', f"request needs {slots} KV slots, the pool has {pool}")
     check(not sp.stop or self.detokenize is not None, 'stop', "stop strings need a detokenize function")
     check(self._find_live(msg.uid) is None, 'uid', f"{msg.uid} is already running")
@@ -388,11 +385,9 @@ def _find_live(self: Scheduler, uid: int) -> Req | PendingReq | None:
 def _process_one_msg(self: Scheduler, msg: UserMsg | AbortMsg) -> list[TokenOutput]:
     if isinstance(msg, AbortMsg): return self._abort(msg.uid)
     if not isinstance(msg, UserMsg): raise TypeError(f"msg: expected UserMsg or AbortMsg, got {type(msg).__name__}")
-    try:
-        ids = _prompt_ids(msg.input_ids)
-        check(ids is not None, 'input_ids', 'must be a 1-D list of int token ids')
-        sp = self._checked_params(msg, ids)
+    try: sp = self._checked_params(msg)
     except ParamError as e: return [TokenOutput(msg.uid, None, True, 'error', error=str(e))]
+    ids = torch.as_tensor(msg.input_ids).to('cpu', torch.int32)      # checked: 1-D, ids in the vocabulary
     self.prefill_manager.add_one_req(PendingReq(msg.uid, ids, sp))
     return []
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 
 from fastcore.basics import patch
 
-from .core import ParamError, SamplingParams, check_prompt
+from .core import ParamError, SamplingParams, check_prompt, first_stop
 from .messages import (AbortMsg, AbortReq, Accepted, ControlMsg, GenerateReq, IPCNames, Ready, Rejected, TextOutput,
                               TokenOutput, UserMsg, ignore_sigint)
 from .weights import load_tokenizer
@@ -54,9 +54,9 @@ def _new_text(self: IncrementalDetokenizer, final: bool = False) -> str:
 @patch
 def _emit(self: IncrementalDetokenizer, new: str, final: bool = False, cut: bool = False) -> str:
     buf = self.held + new
-    if cut:
-        hits = [i for s in self.stop if (i := buf.find(s)) >= 0]
-        out, self.held = buf[:min(hits, default=len(buf))], ""
+    if cut:   # chapter core's rule: the text ends before the first stop string
+        end = first_stop(buf, self.stop)
+        out, self.held = buf if end is None else buf[:end], ""
     else:
         k = 0 if final else _held_len(buf, self.stop)
         out, self.held = buf[:len(buf) - k], buf[len(buf) - k:]

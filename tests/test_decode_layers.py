@@ -246,7 +246,8 @@ def test_bf16_engine_overlap_loop_same_tokens():
     the KV pool must be whole afterwards."""
     from minisgl.core import SamplingParams
     from minisgl.engine import Engine, EngineConfig
-    from minisgl.scheduler import Scheduler, SchedulerConfig, UserMsg
+    from minisgl.messages import UserMsg
+    from minisgl.scheduler import Scheduler, SchedulerConfig
     eng = Engine(EngineConfig(dtype="bfloat16", device="cpu", max_running_reqs=8, max_seq_len=256), progress=False)
     text = "The history of computing is a story of people trying to make machines do arithmetic faster. " * 6
     ids = eng.tokenizer(text)["input_ids"]

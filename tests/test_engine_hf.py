@@ -15,7 +15,8 @@ import torch
 
 from minisgl.core import SamplingParams
 from minisgl.engine import Engine, EngineConfig
-from minisgl.scheduler import Scheduler, SchedulerConfig, UserMsg
+from minisgl.messages import UserMsg
+from minisgl.scheduler import Scheduler, SchedulerConfig
 
 NEW_TOKENS = 32
 TIE = 1e-3

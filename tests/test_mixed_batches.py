@@ -7,7 +7,8 @@ import torch
 
 from minisgl.core import SamplingParams
 from minisgl.engine import Engine, EngineConfig
-from minisgl.scheduler import Scheduler, SchedulerConfig, UserMsg
+from minisgl.messages import UserMsg
+from minisgl.scheduler import Scheduler, SchedulerConfig
 
 TEXT = ("The history of computing is a story of people trying to make machines do arithmetic faster. "
         "Early mechanical calculators used gears and levers; later, relays and vacuum tubes replaced them. ") * 4

@@ -14,7 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from minisgl.core import SamplingParams
-from minisgl.scheduler import AbortMsg, Scheduler, SchedulerConfig, ToyEngine, UserMsg
+from minisgl.messages import AbortMsg, UserMsg
+from minisgl.scheduler import Scheduler, SchedulerConfig, ToyEngine
 
 MAX_SEQ_LEN = 24
 PREFIXES = [(), (3, 1, 4, 1), (3, 1, 4, 1, 5, 9, 2, 6), (2, 7, 1, 8, 2, 8)]
