@@ -5,14 +5,17 @@
 # %% ../nbs/00_core.ipynb #477ca524
 from __future__ import annotations
 
+import math
+import reprlib
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
 
 # %% auto #0
-__all__ = ['FinishReason', 'ParamError', 'check', 'is_int', 'check_int', 'check_choice', 'option', 'SamplingParams', 'first_stop',
-           'check_prompt', 'Req', 'ChunkedReq', 'Batch', 'ForwardOutput']
+__all__ = ['INT64_MAX', 'FinishReason', 'ParamError', 'check', 'short', 'is_int', 'check_int', 'check_number', 'check_text',
+           'check_choice', 'option', 'SamplingParams', 'first_stop', 'check_prompt', 'Req', 'ChunkedReq', 'Batch',
+           'ForwardOutput']
 
 # %% ../nbs/00_core.ipynb #4642cdc0
 class ParamError(ValueError):
@@ -25,16 +28,37 @@ def check(ok: bool, param: str, msg: str):
     "Refuse a value unless `ok`: the one way every config and request of minisgl says what was wrong."
     if not ok: raise ParamError(param, msg)
 
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = _REPR.maxlong = 40; _REPR.maxlist = 6
+
+def short(v) -> str:
+    "`repr(v)`, cut short: an error message never echoes a client's huge value back."
+    return _REPR.repr(v)
+
 def is_int(x) -> bool: return isinstance(x, int) and not isinstance(x, bool)
 
-def check_int(param: str, v, lo: int = 1, optional: bool = False):
-    "`v` must be an int >= `lo` (or None, when `optional`)."
+INT64_MAX = 2**63 - 1
+
+def check_int(param: str, v, lo: int = 1, optional: bool = False, hi: int = INT64_MAX):
+    "`v` must be an int in [`lo`, `hi`] (or None, when `optional`); by default `hi` is what an int64 holds."
     if optional and v is None: return
-    check(is_int(v) and v >= lo, param, f"must be an int >= {lo}{' or None' if optional else ''}, got {v!r}")
+    rule = f">= {lo}" if hi == INT64_MAX else f"in [{lo}, {hi}]"
+    check(is_int(v) and lo <= v <= hi, param, f"must be an int {rule}{' or None' if optional else ''}, got {short(v)}")
+
+def check_number(param: str, v, rule: str, ok) -> None:
+    "`v` must be a finite int or float (never a bool, NaN or infinity) for which `ok(v)` holds; `rule` says which."
+    check(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and ok(v), param,
+          f"must be {rule}, got {short(v)}")
+
+def check_text(param: str, s) -> None:
+    "`s` must be a string that UTF-8 can encode (a lone surrogate such as '\\udc80' cannot)."
+    check(isinstance(s, str), param, f"must be a string, got {type(s).__name__}")
+    try: s.encode("utf-8")
+    except UnicodeEncodeError as e: raise ParamError(param, f"is not valid text ({e.reason} at position {e.start})") from None
 
 def check_choice(param: str, v, choices):
     "`v` must be one of `choices`."
-    check(v in choices, param, f"must be one of {', '.join(map(repr, choices))}, got {v!r}")
+    check(v in choices, param, f"must be one of {', '.join(map(repr, choices))}, got {short(v)}")
 
 # %% ../nbs/00_core.ipynb #e111da62
 def option(default, help: str, **cli):
@@ -46,15 +70,15 @@ def option(default, help: str, **cli):
 class SamplingParams:
     "How to pick the next tokens of one request; validated on construction."
     max_tokens: int | None = 16     # new tokens at most (>= 1); None: as many as the context leaves
-    temperature: float = 0.0        # 0 means greedy
-    top_k: int = -1                 # -1 or 0 disables
+    temperature: float = 0.0        # 0 (below 1e-5) means greedy
+    top_k: int = -1                 # -1 or 0 disables (so does one above the vocabulary)
     top_p: float = 1.0              # nucleus mass in (0, 1]
     min_p: float = 0.0              # in [0, 1]
     seed: int | None = None
     ignore_eos: bool = False        # keep going past the model's EOS (stop_token_ids still count)
     stop: list[str] = field(default_factory=list)          # stop strings; the text is cut before them
     stop_token_ids: list[int] = field(default_factory=list)
-    repetition_penalty: float = 1.0  # > 0
+    repetition_penalty: float = 1.0  # in [0.01, 100]
     presence_penalty: float = 0.0    # in [-2, 2]
     frequency_penalty: float = 0.0   # in [-2, 2]
     n: int = 1                       # completions per prompt (split by `choices`, below)
@@ -63,26 +87,28 @@ class SamplingParams:
 
     def __post_init__(self):
         if isinstance(self.stop, str): self.stop = [self.stop]
+        check(isinstance(self.stop, (list, tuple)), 'stop', f'must be a string or a list of strings, got {short(self.stop)}')
+        check(isinstance(self.stop_token_ids, (list, tuple)), 'stop_token_ids', f'must be a list of ints, got {short(self.stop_token_ids)}')
         self.stop, self.stop_token_ids = list(self.stop), list(self.stop_token_ids)
-        check_int('max_tokens', self.max_tokens, optional=True)
-        check(isinstance(self.temperature, (int, float)) and self.temperature >= 0, 'temperature', f'must be >= 0, got {self.temperature!r}')
-        check(is_int(self.top_k) and self.top_k >= -1, 'top_k', f'must be -1 or 0 (disabled) or >= 1, got {self.top_k!r}')
-        check(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, 'top_p', f'must be in (0, 1], got {self.top_p!r}')
-        check(isinstance(self.min_p, (int, float)) and 0 <= self.min_p <= 1, 'min_p', f'must be in [0, 1], got {self.min_p!r}')
-        check(self.seed is None or is_int(self.seed), 'seed', f'must be an int or None, got {self.seed!r}')
-        check(all(isinstance(s, str) and s for s in self.stop), 'stop', f'must be non-empty strings, got {self.stop!r}')
-        check(all(is_int(t) and t >= 0 for t in self.stop_token_ids), 'stop_token_ids', f'must be ints >= 0, got {self.stop_token_ids!r}')
-        check(isinstance(self.repetition_penalty, (int, float)) and self.repetition_penalty > 0, 'repetition_penalty', f'must be > 0, got {self.repetition_penalty!r}')
-        for name in ('presence_penalty', 'frequency_penalty'):
-            v = getattr(self, name)
-            check(isinstance(v, (int, float)) and -2 <= v <= 2, name, f'must be in [-2, 2], got {v!r}')
+        check_int('max_tokens', self.max_tokens, optional=True, hi=2**31 - 1)
+        check_number('temperature', self.temperature, '>= 0', lambda v: v >= 0)
+        check_int('top_k', self.top_k, lo=-1)               # larger than the vocabulary: no cut
+        check_number('top_p', self.top_p, 'in (0, 1]', lambda v: 0 < v <= 1)
+        check_number('min_p', self.min_p, 'in [0, 1]', lambda v: 0 <= v <= 1)
+        check_int('seed', self.seed, lo=-2**63, optional=True)
+        for s in self.stop: check_text('stop', s); check(len(s) > 0, 'stop', 'must be non-empty strings')
+        check(all(is_int(t) and 0 <= t < 2**31 for t in self.stop_token_ids), 'stop_token_ids',
+              f'must be ints in [0, 2**31), got {short(self.stop_token_ids)}')
+        check_number('repetition_penalty', self.repetition_penalty, 'in [0.01, 100]', lambda v: 0.01 <= v <= 100)
+        for name in ('presence_penalty', 'frequency_penalty'): check_number(name, getattr(self, name), 'in [-2, 2]', lambda v: -2 <= v <= 2)
         check_int('n', self.n)
-        check(is_int(self.top_logprobs) and 0 <= self.top_logprobs <= 20, 'top_logprobs', f'must be in 0..20, got {self.top_logprobs!r}')
+        check(isinstance(self.ignore_eos, bool) and isinstance(self.logprobs, bool), 'ignore_eos', 'ignore_eos and logprobs must be True or False')
+        check_int('top_logprobs', self.top_logprobs, lo=0, hi=20)
 
     @property
     def is_greedy(self) -> bool:
-        "True when sampling reduces to argmax."
-        return self.temperature == 0 or self.top_k == 1
+        "True when sampling reduces to argmax (a temperature below 1e-5 is greedy: its float32 division would overflow)."
+        return self.temperature < 1e-5 or self.top_k == 1
 
     def choices(self) -> list[SamplingParams]:
         "One `SamplingParams` per choice of `n`: each generates once, choice `i` seeded `seed + i`."
@@ -94,8 +120,9 @@ def first_stop(text: str, stop: list[str]) -> int | None:
     return min((i for s in stop if (i := text.find(s)) >= 0), default=None)
 
 # %% ../nbs/00_core.ipynb #bddc937d
-def check_prompt(ids, max_tokens: int | None, vocab_size: int, max_seq_len: int, default: int | None = None) -> int:
-    "Check a prompt's token ids against the vocabulary and the context; return the `max_tokens` it may generate."
+def check_prompt(ids, max_tokens: int | None, vocab_size: int, max_seq_len: int, default: int | None = None,
+                 kv_slots: int | None = None, page_size: int = 1) -> int:
+    "Check a prompt's token ids against the vocabulary, the context and a KV pool of `kv_slots`; return its `max_tokens`."
     n = len(ids)
     check(n > 0, 'prompt', 'must not be empty')
     try: t = torch.as_tensor(ids)
@@ -106,10 +133,16 @@ def check_prompt(ids, max_tokens: int | None, vocab_size: int, max_seq_len: int,
     check(len(bad) == 0, 'prompt', f'token ids must be in [0, {vocab_size}), got {bad[:5].tolist()}')
     room = max_seq_len - n
     check(room >= 1, 'prompt', f'prompt has {n} tokens, context {max_seq_len}: no room left to generate')
-    if max_tokens is None:
-        return room if default is None else min(default, room)
-    check(max_tokens <= room, 'max_tokens', f'prompt has {n} tokens, max_tokens {max_tokens}, context {max_seq_len}: '
-          'prompt + max_tokens must be <= context')
+    if max_tokens is not None:
+        check(max_tokens <= room, 'max_tokens', f'prompt has {n} tokens, max_tokens {max_tokens}, context {max_seq_len}: '
+              'prompt + max_tokens must be <= context')
+    if kv_slots is not None:   # a request never runs if its whole length does not fit the pool, in whole pages
+        fits = kv_slots // page_size * page_size - n
+        check(fits >= 1, 'prompt', f'prompt has {n} tokens, the KV pool {kv_slots}: no room left to generate')
+        if max_tokens is None: room = min(room, fits)
+        else: check(max_tokens <= fits, 'max_tokens', f'prompt has {n} tokens, max_tokens {max_tokens}: more KV than the '
+                    f'pool of {kv_slots} slots holds')
+    if max_tokens is None: return room if default is None else min(default, room)
     return max_tokens
 
 # %% ../nbs/00_core.ipynb #bebdb49f
@@ -214,6 +247,7 @@ class ForwardOutput:
     next_tokens: torch.Tensor                  # [B] int32
     logprobs: torch.Tensor | None = None       # [B] float32, logprob of the chosen token
     top_logprobs: tuple[torch.Tensor, torch.Tensor] | None = None  # ([B, K] ids, [B, K] logprobs)
+    errors: dict[int, str] = field(default_factory=dict)          # row -> why that request's forward failed
 
     def __post_init__(self):
         check(isinstance(self.next_tokens, torch.Tensor) and self.next_tokens.dim() == 1, 'next_tokens',

@@ -40,6 +40,7 @@ class TokenOutput:
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
     text: str | None = None           # on a stop-string finish: the output text, cut before the stop string
+    internal: bool = False            # the error is the server's (the request failed while running), not the request's
 
 # %% ../nbs/00a_messages.ipynb #aef0f605
 @dataclass(frozen=True)
@@ -114,6 +115,7 @@ class TextOutput:
     finished: bool = False
     finish_reason: FinishReason | None = None
     error: str | None = None
+    internal: bool = False            # `error` is the server's fault (HTTP 500), not the request's (400)
 
 
 @dataclass

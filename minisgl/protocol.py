@@ -12,7 +12,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
-from .core import ParamError, SamplingParams
+from .core import ParamError, SamplingParams, check_text, short
 
 # %% auto #0
 __all__ = ['UNSUPPORTED_FIELDS', 'IGNORED_FIELDS', 'APIError', 'ChatMessage', 'ChatCompletionRequest', 'CompletionRequest',
@@ -51,10 +51,17 @@ def _require(ok: bool, msg: str) -> None:
     "A rule of the request's shape (pydantic turns the ValueError into a validation error)."
     if not ok: raise ValueError(msg)
 
+
+def _require_text(v: str, what: str) -> str:
+    "Pydantic's side of `check_text` (chapter `core`): a string UTF-8 can encode, or a ValueError naming `what`."
+    try: check_text(what, v)
+    except ParamError as e: raise ValueError(str(e)) from None
+    return v
+
 # %% ../nbs/09_protocol.ipynb #153962dc
 class _SamplingRequest(BaseModel):
     "The fields and checks that chat and completion requests share."
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)   # JSON types as OpenAI documents them: no "1" for 1, no true for 1.0
 
     model: str | None = None
     max_tokens: int | None = None
@@ -93,7 +100,7 @@ class _SamplingRequest(BaseModel):
     def _stream_options(cls, v):
         if v is not None:
             unknown = set(v) - {"include_usage", "continuous_usage_stats"}
-            _require(not unknown, f"stream_options: unknown field(s) {sorted(unknown)}")
+            _require(not unknown, f"stream_options: unknown field(s) {short(sorted(unknown))}")
         return v
 
     @property
@@ -107,7 +114,7 @@ class _SamplingRequest(BaseModel):
 # %% ../nbs/09_protocol.ipynb #017b50a2
 class ChatMessage(BaseModel):
     "One message of a conversation; list-of-parts `content` is joined into one string."
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict] | None = None
     name: str | None = None
@@ -119,9 +126,10 @@ class ChatMessage(BaseModel):
             parts = []
             for p in v:
                 _require(p.get("type") == "text" and isinstance(p.get("text"), str),
-                       f"only text content parts are supported, got type {p.get('type')!r}")
+                         f"only text content parts are supported, got type {short(p.get('type'))}")
                 parts.append(p["text"])
-            return "".join(parts)
+            v = "".join(parts)
+        _require_text(v or "", "content")
         return v or ""
 
 # %% ../nbs/09_protocol.ipynb #143a32b5
@@ -162,6 +170,7 @@ class CompletionRequest(_SamplingRequest):
         _require(len(prompts) > 0, "prompt must not be empty")
         for p in prompts:
             _require(len(p) > 0, "prompt must not be empty")
+            if isinstance(p, str): _require_text(p, "prompt")
         return v
 
     @property
@@ -177,12 +186,21 @@ def _param_of(loc: tuple) -> str:
     return ".".join(str(x) for x in loc if not (isinstance(x, str) and ("[" in x or x in ("function-after", "function-before"))))
 
 
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _loads(raw: bytes | str):
+    "The JSON of a request body: UTF-8 text, standard JSON (no NaN), or an `APIError` (400) saying what is wrong."
+    try: return json.loads(raw.decode("utf-8") if isinstance(raw, bytes) else raw, parse_constant=_no_constant)
+    except UnicodeDecodeError as e: raise APIError(f"the request body is not UTF-8 text (byte {e.start})") from None
+    except RecursionError: raise APIError("malformed JSON in request body: nested too deep") from None
+    except ValueError as e: raise APIError(f"malformed JSON in request body: {str(e)[:150]}") from None
+
+
 def parse_request(raw: bytes | str | dict, cls: type[_SamplingRequest]) -> _SamplingRequest:
     "Parse and validate a request body into `cls`, raising `APIError` (400) naming the bad field."
-    if isinstance(raw, (bytes, str)):
-        try: data = json.loads(raw)
-        except json.JSONDecodeError as e: raise APIError(f"malformed JSON in request body: {e}") from None
-    else: data = raw
+    data = _loads(raw) if isinstance(raw, (bytes, str)) else raw
     try: return cls.model_validate(data)
     except APIError: raise
     except ValidationError as e:
@@ -190,8 +208,10 @@ def parse_request(raw: bytes | str | dict, cls: type[_SamplingRequest]) -> _Samp
         loc = tuple(x for x in err["loc"] if x not in ("str", "list[int]", "list[str]", "list[list[int]]"))
         param = _param_of(loc) or None
         msg = err["msg"].removeprefix("Value error, ")
+        if param: param = param[:100]                    # a client's key may be any length; the answer is not
+        if param and msg.startswith(f"{param.split('.')[-1]}: "): msg = msg[len(param.split('.')[-1]) + 2:]
         if err["type"] == "missing": msg = f"{param} is required"
-        elif err["type"] == "extra_forbidden": msg = f"unknown field {param!r}"
+        elif err["type"] == "extra_forbidden": msg = f"unknown field {short(param)}"
         elif param and param.startswith("prompt") and err["type"] != "value_error":
             msg, param = "prompt must be a string, a list of token ids, or a list of strings or of token-id lists", "prompt"
         elif param and not msg.startswith(param.split(".")[0]): msg = f"{param}: {msg}"

@@ -78,7 +78,7 @@ def from_params(cls: SamplingBatch, params: list[SamplingParams], vocab_size: in
     if not params: raise ValueError('params: need at least one SamplingParams')
     greedy = [p.is_greedy for p in params]
     col = lambda xs, dt: torch.tensor(xs, dtype=dt, device=device)
-    top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
+    top_k = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params]   # above the vocabulary: no cut
     seeds = torch.randint(0, 2**62, (len(params),), dtype=torch.int64)
     fixed = [(i, p.seed % 2**62) for i, p in enumerate(params) if p.seed is not None]
     if fixed: seeds[[i for i, _ in fixed]] = torch.tensor([s for _, s in fixed])
@@ -148,6 +148,7 @@ def _truncated_race(probs: Tensor, sb_rows: dict, keys: Tensor, flags: tuple[boo
         keep &= (vals.cumsum(-1) - vals) < sb_rows['top_p'][:, None]
     if use_min:
         keep &= vals >= sb_rows['min_p'][:, None] * probs.amax(-1, keepdim=True)
+    if ids is not None: keep[:, 0] = True          # the most likely token always stays (a top_p that rounds to 0 keeps it)
     vals = vals.masked_fill(~keep, 0.0)
     if ids is None:
         u = hash_uniform(keys, torch.arange(V, device=probs.device))

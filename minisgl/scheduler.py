@@ -5,6 +5,7 @@
 # %% ../nbs/02_scheduler.ipynb #cb8a906e
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -19,9 +20,11 @@ from .core import (Batch, ChunkedReq, ForwardOutput, ParamError, Req, SamplingPa
 from .kvcache import CacheHandle, CacheManager, TableManager, kv_slots_needed
 from .messages import AbortMsg, TokenOutput, UserMsg
 
+logger = logging.getLogger('minisgl.scheduler')
+
 # %% auto #0
-__all__ = ['SchedulerConfig', 'ModelRunner', 'ToyEngine', 'DecodeManager', 'PendingReq', 'PrefillAdder', 'PrefillManager',
-           'Scheduler']
+__all__ = ['logger', 'SchedulerConfig', 'ModelRunner', 'ToyEngine', 'DecodeManager', 'PendingReq', 'PrefillAdder',
+           'PrefillManager', 'Scheduler']
 
 # %% ../nbs/02_scheduler.ipynb #738fa41b
 @dataclass
@@ -276,7 +279,9 @@ def _run_engine(self: Scheduler, batch: Batch, emits: torch.Tensor) -> ForwardOu
     pool = self.table_manager.token_pool
     rows = batch.table_idx.long()
     batch.input_ids = pool[rows.repeat_interleave(batch.extend_lens.long()), batch.positions].long()
-    output = self.engine.forward_batch(batch)
+    try: output = self.engine.forward_batch(batch)
+    except Exception as e: output = self._forward_each(batch, e)    # one request's fault must not fail the others
+    if output.errors: emits = emits & ~torch.isin(torch.arange(len(batch.reqs), device=emits.device), torch.tensor(list(output.errors), device=emits.device))
     pool[rows[emits], batch.seq_lens.long()[emits]] = output.next_tokens.to(pool)[emits]
     return output
 
@@ -289,6 +294,34 @@ def _forward(self: Scheduler, batch: Batch) -> ForwardOutput | Future:
     for req in batch.reqs: req.complete_one()
     self.decode_manager.filter_reqs(batch.reqs)
     return result
+
+# %% ../nbs/02_scheduler.ipynb #82c0c332
+@patch
+def _forward_each(self: Scheduler, batch: Batch, error: Exception) -> ForwardOutput:
+    "The batch's requests one at a time, after its forward raised `error`: only those that fail alone fail."
+    logger.warning("a forward of %d requests failed (%s: %s); running them one by one", len(batch.reqs), type(error).__name__, error)
+    ends = batch.extend_lens.long().cumsum(0).tolist()
+    tokens = torch.zeros(len(batch.reqs), dtype=torch.int32, device=batch.seq_lens.device)
+    outs, errors = {}, {}
+    for i, (req, a, b) in enumerate(zip(batch.reqs, [0] + ends[:-1], ends)):
+        one = Batch([req], 'prefill', input_ids=batch.input_ids[a:b], positions=batch.positions[a:b], out_loc=batch.out_loc[a:b],
+                    table_idx=batch.table_idx[i:i + 1], seq_lens=batch.seq_lens[i:i + 1],
+                    extend_lens=batch.extend_lens[i:i + 1], page_table=batch.page_table)
+        try: outs[i] = out = self.engine.forward_batch(one)
+        except Exception as e:
+            errors[i] = f"internal error while running the request: {type(e).__name__}: {str(e)[:200]}"; continue
+        tokens[i] = out.next_tokens[0]
+    lps = [o.logprobs[0] for o in outs.values() if o.logprobs is not None]
+    logprobs = torch.stack([outs[i].logprobs[0] if i in outs and outs[i].logprobs is not None else torch.tensor(float('nan'))
+                            for i in range(len(batch.reqs))]) if lps else None
+    tops = {i: o.top_logprobs for i, o in outs.items() if o.top_logprobs is not None}
+    top = None
+    if tops:   # rows asked for different K: pad to the largest (a request reads only its own K)
+        K = max(t[0].shape[1] for t in tops.values())
+        ids, vals = torch.zeros(len(batch.reqs), K, dtype=torch.long), torch.full((len(batch.reqs), K), float('-inf'))
+        for i, (ti, tv) in tops.items(): ids[i, :ti.shape[1]], vals[i, :tv.shape[1]] = ti[0].cpu(), tv[0].cpu()
+        top = (ids, vals)
+    return ForwardOutput(tokens, logprobs, top, errors)
 
 # %% ../nbs/02_scheduler.ipynb #29cfef70
 @patch
@@ -329,6 +362,9 @@ def _process_last_data(self: Scheduler, ongoing: tuple[Batch, ForwardOutput | Fu
     tokens = output.next_tokens.tolist()
     outputs = []
     for i, req in enumerate(batch.reqs):
+        if i in output.errors:      # its forward failed (`_forward_each`): it ends here, with the reason
+            if req.finish_reason is None: outputs += self._abort(req.uid, 'error', output.errors[i])
+            continue
         if isinstance(req, ChunkedReq) or req.finish_reason is not None: continue
         req.append_host(tokens[i])
         reason, text = self._finish_reason(req, tokens[i])
@@ -365,10 +401,9 @@ def _release_deferred_rows(self: Scheduler):
 @patch
 def _checked_params(self: Scheduler, msg: UserMsg) -> SamplingParams:
     "`msg`'s sampling parameters with `max_tokens` settled; a `ParamError` says why the request cannot run."
-    sp, n = msg.sampling_params, len(msg.input_ids)
-    max_tokens = check_prompt(msg.input_ids, sp.max_tokens, self.engine.vocab_size, self.engine.max_seq_len)   # chapter core
-    pool, slots = self.cache_manager.num_pages * self.cache_manager.page_size, self.cache_manager.slots_needed(0, n + max_tokens)
-    check(slots <= pool, 'max_tokens', f"request needs {slots} KV slots, the pool has {pool}")
+    sp, cm = msg.sampling_params, self.cache_manager
+    max_tokens = check_prompt(msg.input_ids, sp.max_tokens, self.engine.vocab_size, self.engine.max_seq_len,   # chapter core
+                              kv_slots=cm.num_pages * cm.page_size, page_size=cm.page_size)
     check(not sp.stop or self.detokenize is not None, 'stop', "stop strings need a detokenize function")
     check(self._find_live(msg.uid) is None, 'uid', f"{msg.uid} is already running")
     return sp if max_tokens == sp.max_tokens else replace(sp, max_tokens=max_tokens)
@@ -392,17 +427,18 @@ def _process_one_msg(self: Scheduler, msg: UserMsg | AbortMsg) -> list[TokenOutp
     return []
 
 @patch
-def _abort(self: Scheduler, uid: int) -> list[TokenOutput]:
+def _abort(self: Scheduler, uid: int, reason: str = 'abort', error: str | None = None) -> list[TokenOutput]:
+    "End request `uid` wherever it is (queue, running set, batch in flight) and free what it holds."
     found = self._find_live(uid)
     if found is None: return []             # unknown, or already finished
     if isinstance(found, PendingReq):
         self.prefill_manager.remove(uid)
         found = found.chunked_req           # a partly computed prompt holds a row and pages
     if found is not None:
-        found.finish_reason = 'abort'
+        found.finish_reason = reason
         self.decode_manager.remove_req(found)
         self._free_req_resources(found)
-    return [TokenOutput(uid, None, True, 'abort')]
+    return [TokenOutput(uid, None, True, reason, error=error, internal=error is not None)]
 
 # %% ../nbs/02_scheduler.ipynb #aec64b44
 @patch

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import time
 from typing import Callable
 
@@ -28,13 +29,15 @@ class SchedulerIO:
     def __init__(self, inbox: zmq.Socket, send: Callable, parent: int):
         self.inbox, self.send, self.parent = inbox, send, parent
         self.sched: Scheduler | None = None      # set once the Scheduler exists
-        self.stop, self.last_stats, self.last = False, 0.0, None
+        self.stop, self.last_stats, self.last, self.last_sent = False, 0.0, None, 0.0
 
     def push_stats(self, force: bool = False):
+        "Send `Stats` when they changed (at most 5 times a second), and at least once a second: the server's watchdog."
         now = time.monotonic()
         if force or now - self.last_stats > 0.2:
             s = self.sched.stats()
-            if force or s != self.last: self.send(Stats(s))
+            if force or s != self.last or now - self.last_sent > 1.0:
+                self.send(Stats(s)); self.last_sent = now
             self.last_stats, self.last = now, s
 
     def handle(self, msg) -> bool:
@@ -67,7 +70,7 @@ def run_scheduler_worker(names: IPCNames, args: EngineArgs, log_level: str = "in
     ignore_sigint()
     # a process of its own: its log lines (the engine's kernel plan, say) need the server's log level here too
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    ctx = zmq.Context()
+    parent, ctx = os.getppid(), zmq.Context()
     inbox = ctx.socket(zmq.PULL); inbox.bind(names.scheduler)
     outbox = ctx.socket(zmq.PUSH); outbox.connect(names.detokenizer)
     try:
@@ -78,7 +81,7 @@ def run_scheduler_worker(names: IPCNames, args: EngineArgs, log_level: str = "in
         except Exception as e:
             logger.exception("the scheduler failed to load the model")
             outbox.send_pyobj(Ready({"error": f"{type(e).__name__}: {e}"})); return
-        io = SchedulerIO(inbox, outbox.send_pyobj, os.getppid())
+        io = SchedulerIO(inbox, outbox.send_pyobj, parent)
         sched = io.sched = Scheduler(engine, config, recv_fn=io.recv_fn, send_fn=io.send_fn,
                                      detokenize=lambda ids: tok.decode(ids, skip_special_tokens=True))
         outbox.send_pyobj(Ready(sched.info))
@@ -87,3 +90,4 @@ def run_scheduler_worker(names: IPCNames, args: EngineArgs, log_level: str = "in
         finally: sched.close()
     finally:
         ctx.destroy(linger=500)
+        if os.getppid() != parent: shutil.rmtree(names.dir, ignore_errors=True)   # the server died: nobody else will

@@ -6,9 +6,11 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import itertools
 import logging
 import multiprocessing as mp
+import os
 import shutil
 import time
 from contextlib import asynccontextmanager
@@ -16,12 +18,14 @@ from dataclasses import dataclass
 from typing import Callable
 
 import uvicorn
+from starlette.exceptions import HTTPException as StarletteHTTPException
 import zmq
 import zmq.asyncio
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from .core import SamplingParams, check, check_int, option
+from .core import SamplingParams, check, check_int, check_number, option, short
 from .engine import EngineArgs
 from .messages import (AbortReq, Accepted, ControlMsg, ControlReply, GenerateReq, IPCNames, Ready, Rejected, Stats,
                               TextOutput)
@@ -83,11 +87,25 @@ class ServerArgs(EngineArgs):
     served_model_name: str | None = option(None, "model name in the API (default: from --model)", metavar='NAME')
     log_level: str = option("info", "log level of the server and its workers", choices=("debug", "info", "warning", "error"))
     shutdown_timeout: float = option(10.0, "seconds to wait for the workers to exit before killing them", metavar='S')
+    api_key: str | None = option(None, "require `Authorization: Bearer KEY` on /v1/* (default: $MINISGL_API_KEY, else none)", metavar='KEY')
+    max_request_bytes: int = option(8 << 20, "largest request body in bytes; a larger one gets HTTP 413 before it is read", metavar='N')
+    body_timeout: float = option(30.0, "seconds a client may take to send its request body; then HTTP 408", metavar='S')
+    request_timeout: float | None = option(None, "seconds a request may wait and run; then HTTP 504 (a stream: an error event) "
+                                                 "and its resources are freed (default: no limit)", metavar='S')
+    allowed_origins: str | None = option(None, "comma-separated origins a browser page may call the API from (CORS; default: none)",
+                                         metavar='ORIGINS')
+    watchdog_timeout: float = option(30.0, "seconds without a word from the scheduler (it reports once a second) before "
+                                           "/health says it is stalled (503) and new requests are refused", metavar='S')
+    debug_routes: bool = option(False, "serve /debug/scheduler: counts, KV pages, the page-accounting check, worker pids")
 
     def __post_init__(self):
         super().__post_init__()
         check_int('max_queued_requests', self.max_queued_requests, lo=0)
         check(isinstance(self.port, int) and 0 <= self.port < 65536, 'port', f'must be in [0, 65535], got {self.port!r}')
+        check_int('max_request_bytes', self.max_request_bytes)
+        for name in ('body_timeout', 'shutdown_timeout', 'watchdog_timeout'): check_number(name, getattr(self, name), '> 0', lambda v: v > 0)
+        if self.request_timeout is not None: check_number('request_timeout', self.request_timeout, '> 0', lambda v: v > 0)
+        if self.api_key is None: self.api_key = os.environ.get("MINISGL_API_KEY") or None
 
 # %% ../nbs/12_server.ipynb #fe26db3e
 class Frontend:
@@ -99,6 +117,7 @@ class Frontend:
         self.procs: list = []
         self.info: dict = {}                             # the scheduler's limits, from its Ready
         self.ready, self.error, self.stopping = False, None, False
+        self.last_report, self.stalled = 0.0, False      # when the scheduler last spoke; the watchdog's verdict
         self.pending: dict[int, tuple[asyncio.Queue, int]] = {}   # uid -> (its request's queue, choice index)
         self.verdicts: dict[int, asyncio.Future] = {}    # first uid of a request -> its Accepted/Rejected
         self.controls: dict[int, asyncio.Future] = {}    # control token -> the scheduler's ControlReply data
@@ -137,12 +156,12 @@ class Frontend:
         shutil.rmtree(self.names.dir, ignore_errors=True)
         self.names = None
 
-    def abort_all(self):
-        "Finish every open request with finish_reason 'abort' and abort it in the scheduler."
+    def abort_all(self, error: str | None = None):
+        "Finish every open request (with finish_reason 'abort', or 'error' and `error`) and abort it in the scheduler."
         uids = list(self.pending)
         for uid in uids:
             q, _ = self.pending.pop(uid)
-            q.put_nowait(TextOutput(uid, "", [], finished=True, finish_reason="abort"))
+            q.put_nowait(TextOutput(uid, "", [], finished=True, finish_reason="error" if error else "abort", error=error, internal=True))
         if uids: self._send(AbortReq(uids))
 
     def _send(self, msg): self.outbox.send_pyobj(msg)
@@ -159,6 +178,7 @@ class Frontend:
                 self._handle(msg)
 
     def _handle(self, msg):
+        if isinstance(msg, (list, Stats, ControlReply, Ready)): self._heard_scheduler()
         if isinstance(msg, list):
             for t in msg: self._deliver(t)
         elif isinstance(msg, (Accepted, Rejected)): _resolve(self.verdicts.pop(msg.uids[0], None), msg)
@@ -181,11 +201,19 @@ class Frontend:
     def _check_workers(self):
         dead = [p.name for p in self.procs if not p.is_alive()]
         if dead and self.error is None and not self.stopping: self._fatal(f"worker process(es) {dead} died")
+        silent = time.monotonic() - self.last_report
+        if self.ready and not self.stalled and silent > self.args.watchdog_timeout:
+            self.stalled = True
+            logger.error("the scheduler has said nothing for %.0f s (--watchdog-timeout): stalled", silent)
+
+    def _heard_scheduler(self):
+        self.last_report = time.monotonic()
+        if self.stalled: self.stalled = False; logger.warning("the scheduler is making progress again")
 
     def _fatal(self, message: str):
         logger.error(message)
         self.error, self.ready = message, False
-        self.abort_all()
+        self.abort_all(error=message)            # every client learns the server failed: 503, or an SSE error event
         for fut in [*self.verdicts.values(), *self.controls.values()]:
             if not fut.done(): fut.set_exception(APIError(message, status=503, type="service_unavailable"))
         self.verdicts.clear(); self.controls.clear()
@@ -194,12 +222,14 @@ class Frontend:
     # admission
     def check_ready(self):
         if not self.ready: raise APIError(self.error or "the model is still loading", status=503, type="service_unavailable")
+        if self.stalled: raise APIError(f"the scheduler has made no progress for {self.args.watchdog_timeout} s; retry later",
+                                        status=503, type="service_unavailable")
 
     async def submit(self, req, params: SamplingParams, prompts=None, messages=None) -> tuple[list[int], asyncio.Queue, list[int]]:
         "Admit a request: (uids of its choices, the queue their outputs arrive in, prompt lengths)."
         self.check_ready()
         if req.model is not None and req.model not in (self.model_name, "default"):
-            raise APIError(f"model {req.model!r} does not exist; this server serves {self.model_name!r}",
+            raise APIError(f"model {short(req.model)} does not exist; this server serves {self.model_name!r}",
                            param="model", status=400, code="model_not_found")
         count = (len(prompts) if prompts is not None else 1) * params.n
         running, queued = self.info["max_running_reqs"], self.args.max_queued_requests
@@ -249,6 +279,7 @@ class _Choices:
         self.lps: list[list] = [[] for _ in range(n)]
         self.reason: list[str | None] = [None] * n
         self.error: str | None = None
+        self.status = 400                  # of `error`: 400 (the request's fault) or 500 (ours)
         self.left, self.metrics, self.t0, self.last = n, metrics, t0, [None] * n
 
     def add(self, i: int, t: TextOutput):
@@ -262,31 +293,66 @@ class _Choices:
         if t.logprobs: self.lps[i] += t.logprobs
         if t.finished:
             self.reason[i], self.left = t.finish_reason, self.left - 1
-            if t.finish_reason == "error": self.error = t.error or "the scheduler failed this request"
+            if t.finish_reason == "error":
+                self.error, self.status = t.error or "the scheduler failed this request", 500 if t.internal else 400
             if self.left == 0: self.metrics.e2e.observe(now - self.t0)
 
 # %% ../nbs/12_server.ipynb #81996bd4
-async def _next(q: asyncio.Queue, gone: asyncio.Future):
-    "The next output, or None when `gone` (the client disconnected) happens first."
+async def _next(q: asyncio.Queue, gone: asyncio.Future, timeout: float | None = None):
+    "The next output, or None when `gone` (the client disconnected) happens first; `TimeoutError` after `timeout` s."
     if not q.empty(): return q.get_nowait()
     get = asyncio.ensure_future(q.get())
-    done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+    done, _ = await asyncio.wait({get, gone}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
     if get in done: return get.result()
     get.cancel()
+    if not done: raise TimeoutError
     return None
 
 
 async def _disconnected(request: Request):
     while (await request.receive())["type"] != "http.disconnect": pass
 
+
+def _left(deadline: float | None) -> float | None:
+    "Seconds until `deadline` (None: no deadline), at least 0."
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+def _timed_out(fe: Frontend) -> APIError:
+    return APIError(f"the request did not finish within {fe.args.request_timeout} s (--request-timeout)", status=504,
+                    type="timeout", code="request_timeout")
+
+
+async def _read_body(fe: Frontend, request: Request) -> bytes:
+    "The request's JSON body, within the size and time limits (413, 408), or 415 for another content type."
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind != "application/json":
+        raise APIError(f"the request body must be application/json, got {short(kind) if kind else 'no content type'}", status=415,
+                       code="unsupported_media_type")
+    limit, size = fe.args.max_request_bytes, request.headers.get("content-length", "")
+    too_big = lambda n: APIError(f"the request body has {n} bytes or more, the limit is {limit} (--max-request-bytes)", status=413,
+                                 code="request_too_large")
+    if size.isdigit() and int(size) > limit: raise too_big(int(size))
+    async def read():
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit: raise too_big(len(body))
+        return bytes(body)
+    try: return await asyncio.wait_for(read(), fe.args.body_timeout)
+    except TimeoutError: raise APIError(f"the request body did not arrive within {fe.args.body_timeout} s (--body-timeout)",
+                                        status=408, type="timeout", code="body_timeout") from None
+
 # %% ../nbs/12_server.ipynb #205aaef0
 async def _generate(fe: Frontend, request: Request, kind: str):
     "Serve one chat or completion request: parse, admit, then stream or collect the answer."
     t0 = time.monotonic()
+    deadline = t0 + fe.args.request_timeout if fe.args.request_timeout else None
     endpoint = "chat" if kind == "chat" else "completions"
     try:
+        _check_key(fe, request)
         cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
-        req = parse_request(await request.body(), cls)
+        req = parse_request(await _read_body(fe, request), cls)
         params = to_sampling_params(req)            # every sampling rule: SamplingParams' own checks
         if kind == "chat":
             msgs = [m.model_dump(exclude_none=True) for m in req.messages]
@@ -298,19 +364,35 @@ async def _generate(fe: Frontend, request: Request, kind: str):
     fe.metrics.requests.labels(endpoint, "200").inc()
     rid = new_id("chatcmpl" if kind == "chat" else "cmpl")
     index = {u: i for i, u in enumerate(uids)}
-    if req.stream: return StreamingResponse(_stream(fe, req, kind, rid, uids, q, plens, t0), media_type="text/event-stream")
+    if req.stream:
+        return StreamingResponse(_stream(fe, req, kind, rid, uids, q, plens, t0, deadline), media_type="text/event-stream")
     acc = _Choices(len(uids), fe.metrics, t0)
     gone = asyncio.ensure_future(_disconnected(request))
     try:
         while acc.left:
-            t = await _next(q, gone)
+            t = await _next(q, gone, _left(deadline))
             if t is None: return Response(status_code=499)     # nobody to answer
             acc.add(index[t.uid], t)
+    except TimeoutError: raise _timed_out(fe) from None
     finally:
         gone.cancel()
         fe.abort(uids)      # no-op for finished choices
-    if acc.error: raise APIError(acc.error, status=400)
+    if acc.error: raise _error_of(fe, acc)
     return _respond(fe, req, kind, rid, uids, acc, plens)
+
+
+def _error_of(fe: Frontend, acc: _Choices) -> APIError:
+    "The error a failed request answers with: 503 when the server failed, else 500 (ours) or 400 (the request's)."
+    if fe.error: return APIError(acc.error, status=503, type="service_unavailable")
+    return APIError(acc.error, status=acc.status, type="internal_error" if acc.status == 500 else "invalid_request_error")
+
+
+def _check_key(fe: Frontend, request: Request):
+    "With `--api-key`, a `/v1/*` request must carry it (compared in constant time)."
+    key = fe.args.api_key
+    if key and not hmac.compare_digest(request.headers.get("authorization", "").encode(), f"Bearer {key}".encode()):
+        raise APIError("invalid or missing API key: send `Authorization: Bearer <key>`", status=401,
+                       type="authentication_error", code="invalid_api_key")
 
 # %% ../nbs/12_server.ipynb #da831212
 def _topk(entries: list, k: int) -> list:
@@ -340,49 +422,92 @@ def build_app(fe: Frontend) -> FastAPI:
         try: yield
         finally: await fe.stop()
 
-    app = FastAPI(title="minisgl", lifespan=lifespan)
+    app = FastAPI(title="minisgl", lifespan=lifespan, docs_url=None, redoc_url=None)   # /docs would load a CDN's assets
+    if fe.args.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=[o.strip() for o in fe.args.allowed_origins.split(",")],
+                           allow_methods=["GET", "POST"], allow_headers=["*"])
 
     @app.exception_handler(APIError)
     async def _api_error(request, e: APIError):
         return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, e: StarletteHTTPException):   # 404, 405, ...: OpenAI-shaped too
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return JSONResponse(APIError(f"{request.method} {short(request.url.path)}: {e.detail}", status=e.status_code, type=kind).body(),
+                            status_code=e.status_code, headers=getattr(e, "headers", None))
 
     @app.exception_handler(Exception)
     async def _error(request, e: Exception):
         logger.exception("internal error")
         return JSONResponse(APIError(f"internal error: {type(e).__name__}: {e}", status=500, type="internal_error").body(), 500)
 
-    @app.get("/health")
+    @app.get("/health", responses={503: {"description": "loading, stalled, or failed"}})
     async def health():
-        if fe.ready: return {"status": "ok"}
-        return JSONResponse({"status": "error" if fe.error else "loading", "message": fe.error}, status_code=503)
+        if fe.ready and not fe.stalled: return {"status": "ok"}
+        status = "error" if fe.error else "stalled" if fe.stalled else "loading"
+        return JSONResponse({"status": status, "message": fe.error or (status == "stalled" and "the scheduler makes no progress") or None},
+                            status_code=503)
 
-    @app.get("/v1/models")
-    async def models():
+    @app.get("/v1/models", responses={401: _ERROR})
+    async def models(request: Request):
+        _check_key(fe, request)
         return {"object": "list", "data": [{"id": fe.model_name, "object": "model", "created": int(time.time()),
                                             "owned_by": "minisgl", "max_model_len": fe.info.get("max_seq_len")}]}
 
-    @app.get("/metrics")
+    @app.get("/metrics", responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def metrics():
         from prometheus_client import CONTENT_TYPE_LATEST
         return Response(fe.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/debug/scheduler")
-    async def debug_scheduler():
-        "Running/queued counts, KV pages (free, cached, owned) and the page-accounting integrity check."
-        return {**(await fe.control("stats")), "inflight": len(fe.pending), "ipc_dir": fe.ipc_dir,
-                "workers": {p.name: p.pid for p in fe.procs}}
+    if fe.args.debug_routes:
+        @app.get("/debug/scheduler")
+        async def debug_scheduler():
+            "Running/queued counts, KV pages (free, cached, owned) and the page-accounting integrity check."
+            return {**(await fe.control("stats")), "inflight": len(fe.pending), "ipc_dir": fe.ipc_dir,
+                    "workers": {p.name: p.pid for p in fe.procs}}
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest), responses=_GENERATION_RESPONSES)
     async def chat_completions(request: Request): return await _generate(fe, request, "chat")
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest), responses=_GENERATION_RESPONSES)
     async def completions(request: Request): return await _generate(fe, request, "completion")
 
+    _publish_schemas(app)
     return app
 
+
+_ERROR = {"description": "an OpenAI error body", "content": {"application/json": {"schema": {
+    "type": "object", "required": ["error"], "properties": {"error": {"type": "object", "required": ["message", "type"]}}}}}}
+_GENERATION_RESPONSES = {200: {"description": "a completion, or with `stream` its server-sent events",
+                               "content": {"application/json": {}, "text/event-stream": {}}},
+                         **{code: _ERROR for code in (400, 401, 408, 413, 415, 429, 500, 503, 504)}}
+
+
+def _body_schema(model) -> dict:
+    "The OpenAPI request body of a route that parses its JSON itself (with `parse_request`): `model`'s schema."
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": model.model_json_schema(ref_template="#/components/schemas/{model}")}}}}
+
+
+def _publish_schemas(app: FastAPI):
+    "Put the request models' nested definitions where their `$ref`s point, in `/openapi.json`'s components."
+    openapi = app.openapi
+    def with_components():
+        if app.openapi_schema is None:
+            spec = openapi()
+            for path in spec["paths"].values():
+                for op in path.values():
+                    body = op.get("requestBody", {}).get("content", {}).get("application/json", {}).get("schema", {})
+                    spec.setdefault("components", {}).setdefault("schemas", {}).update(body.pop("$defs", {}))
+            app.openapi_schema = spec
+        return app.openapi_schema
+    app.openapi = with_components
+
 # %% ../nbs/12_server.ipynb #0042c8be
-async def _stream(fe: Frontend, req, kind: str, rid: str, uids: list[int], q: asyncio.Queue, plens: list[int], t0: float):
-    "The SSE body of a streaming request; aborts its choices if the client goes away."
+async def _stream(fe: Frontend, req, kind: str, rid: str, uids: list[int], q: asyncio.Queue, plens: list[int], t0: float,
+                  deadline: float | None = None):
+    "The SSE body of a streaming request; aborts its choices if the client goes away. A failure ends it with an error event."
     index = {u: i for i, u in enumerate(uids)}
     acc, chat, k = _Choices(len(uids), fe.metrics, t0), kind == "chat", req.num_top_logprobs
     try:
@@ -391,9 +516,11 @@ async def _stream(fe: Frontend, req, kind: str, rid: str, uids: list[int], q: as
                                                       "logprobs": None, "finish_reason": None} for i in range(len(uids))]))
         offsets = [0] * len(uids)
         while acc.left:
-            t = await q.get()
+            try: t = await asyncio.wait_for(q.get(), _left(deadline))
+            except TimeoutError: yield sse(_timed_out(fe).body()); return
             i = index[t.uid]
             acc.add(i, t)
+            if acc.error: yield sse(_error_of(fe, acc).body()); return     # no [DONE]: the stream did not succeed
             want_lp = bool(t.logprobs) and (req.logprobs if chat else req.logprobs is not None)
             if not (t.text or t.finished or want_lp): continue
             lp = _topk(t.logprobs or [], k)

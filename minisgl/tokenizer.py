@@ -5,18 +5,22 @@
 # %% ../nbs/10_tokenizer.ipynb #3f19a388
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 from dataclasses import dataclass, replace
 
 from fastcore.basics import patch
 
-from .core import ParamError, SamplingParams, check_prompt, first_stop
+from .core import ParamError, SamplingParams, check, check_prompt, first_stop
 from .messages import (AbortMsg, AbortReq, Accepted, ControlMsg, GenerateReq, IPCNames, Ready, Rejected, TextOutput,
                               TokenOutput, UserMsg, ignore_sigint)
 from .weights import load_tokenizer
 
+logger = logging.getLogger("minisgl.tokenizer")
+
 # %% auto #0
-__all__ = ['IncrementalDetokenizer', 'encode_request', 'TokenizerWorker', 'run_tokenizer_worker']
+__all__ = ['logger', 'IncrementalDetokenizer', 'encode_request', 'TokenizerWorker', 'run_tokenizer_worker']
 
 # %% ../nbs/10_tokenizer.ipynb #e327ddef
 def _held_len(text: str, stops: list[str]) -> int:
@@ -101,19 +105,33 @@ class TokenizerWorker:
         self.tokenizer, self.info = tokenizer, info      # info: the scheduler's limits (`Scheduler.info`)
         self.choices: dict[int, _Choice] = {}
         self.deferred: dict[int, list[UserMsg]] = {}     # first uid of a prompt -> its siblings' UserMsgs
+        # a token covers at most this many characters, so a longer text can never fit the context: refused untokenized
+        self.max_chars = info["max_seq_len"] * max(map(len, tokenizer.get_vocab()), default=1)
 
     def handle_generate(self, msg: GenerateReq) -> tuple[Accepted | Rejected, list[UserMsg]]:
         "Tokenize and check one request: the reply for the API server, and the messages for the scheduler."
         try:
+            self._check_length(msg)
             prompts, params = encode_request(self.tokenizer, msg), []
             for p in prompts:
-                max_tokens = check_prompt(p, msg.params.max_tokens, self.info["vocab_size"], self.info["max_seq_len"],
-                                          default=msg.default_max_tokens)
+                i = self.info
+                max_tokens = check_prompt(p, msg.params.max_tokens, i["vocab_size"], i["max_seq_len"], default=msg.default_max_tokens,
+                                          kv_slots=i["num_pages"] * i["page_size"], page_size=i["page_size"])
                 params += replace(msg.params, max_tokens=max_tokens).choices()
         except ParamError as e:
             param = "messages" if msg.messages is not None and e.param == "prompt" else e.param
             return Rejected(msg.uids, str(e), param), []
+        except Exception as e:   # a fault of ours while tokenizing: this request fails, the worker goes on
+            logger.exception("tokenizing request %s failed", msg.uids[0])
+            return Rejected(msg.uids, f"internal error while tokenizing: {type(e).__name__}: {str(e)[:200]}", status=500), []
         return Accepted(msg.uids, [len(p) for p in prompts]), self.add_request(msg.uids, prompts, params)
+
+    def _check_length(self, msg: GenerateReq):
+        "Refuse a text too long for the context before tokenizing it: one huge request must not stall the others."
+        texts = [p for p in msg.prompts or [] if isinstance(p, str)] + [m.get("content") or "" for m in msg.messages or []]
+        n = max(map(len, texts), default=0) if msg.prompts is not None else sum(map(len, texts))
+        check(n <= self.max_chars, "messages" if msg.messages is not None else "prompt",
+              f"has {n} characters: more than {self.info['max_seq_len']} tokens of this model can hold")
 
     def add_request(self, uids: list[int], prompts: list[list[int]], params: list[SamplingParams]) -> list[UserMsg]:
         "Register the choices `uids` (choice `i` is prompt `i*len(prompts)//len(uids)`); return the `UserMsg`s to send now."
@@ -144,15 +162,24 @@ class TokenizerWorker:
             to_scheduler += self.deferred.pop(o.uid, [])
             c = self.choices.get(o.uid)
             if c is None: continue          # aborted
-            ids = [int(o.token_id)] if o.token_id is not None else []
-            tok = None if (o.finished and o.finish_reason == "stop" and o.token_id in c.finish_ids) else o.token_id  # EOS: no text
-            if o.finished:
-                text = c.detok.finish(tok, cut=o.finish_reason == "stop")
+            try: texts.append(self._text_output(o, c))
+            except Exception as e:          # a fault of ours while detokenizing: this choice fails, the others go on
+                logger.exception("detokenizing request %s failed", o.uid)
                 del self.choices[o.uid]
-            else: text = c.detok.step(tok) if tok is not None else ""
-            texts.append(TextOutput(o.uid, text, ids, self._logprobs(o) if c.params.logprobs else None,
-                                    o.finished, o.finish_reason, o.error))
+                texts.append(TextOutput(o.uid, "", [], finished=True, finish_reason="error", internal=True,
+                                        error=f"internal error while detokenizing: {type(e).__name__}: {str(e)[:200]}"))
+                if not o.finished: to_scheduler.append(AbortMsg(o.uid))   # free its KV: the one message back, on a failure
         return texts, to_scheduler
+
+    def _text_output(self, o: TokenOutput, c: _Choice) -> TextOutput:
+        ids = [int(o.token_id)] if o.token_id is not None else []
+        tok = None if (o.finished and o.finish_reason == "stop" and o.token_id in c.finish_ids) else o.token_id  # EOS: no text
+        if o.finished:
+            text = c.detok.finish(tok, cut=o.finish_reason == "stop")
+            del self.choices[o.uid]
+        else: text = c.detok.step(tok) if tok is not None else ""
+        return TextOutput(o.uid, text, ids, self._logprobs(o) if c.params.logprobs else None,
+                          o.finished, o.finish_reason, o.error, o.internal)
 
     def _logprobs(self, o: TokenOutput) -> list | None:
         if o.logprob is None or o.token_id is None: return None
@@ -222,9 +249,14 @@ def run_tokenizer_worker(names: IPCNames, model: str | None, tokenizer=None) -> 
             events = dict(poller.poll(500))
             if os.getppid() != parent: break
             if from_sched in events:
-                for msg in _drain(from_sched): worker = _from_scheduler(msg, tok, worker, to_api, send_sched)
+                for msg in _drain(from_sched):
+                    try: worker = _from_scheduler(msg, tok, worker, to_api, send_sched)
+                    except Exception: logger.exception("routing a %s from the scheduler failed", type(msg).__name__)
             if from_api in events:
                 for msg in _drain(from_api):
-                    if not _from_api(msg, worker, to_api, send_sched): return
+                    try:
+                        if not _from_api(msg, worker, to_api, send_sched): return
+                    except Exception: logger.exception("routing a %s from the API server failed", type(msg).__name__)
     finally:
         ctx.destroy(linger=200)
+        if os.getppid() != parent: shutil.rmtree(names.dir, ignore_errors=True)   # the server died: nobody else will

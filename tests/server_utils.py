@@ -21,7 +21,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def toy_engine(args=None):
+def _faulty_toy(seed: int, **kw):
+    "A `ToyEngine` whose forward raises whenever a request seeded `seed` is in the batch: a fault in one request's path."
+    from minisgl.scheduler import ToyEngine
+
+    class FaultyToy(ToyEngine):
+        def forward_batch(self, batch):
+            if any(r.sampling_params.seed == seed for r in batch.reqs): raise RuntimeError("injected fault")
+            return super().forward_batch(batch)
+    return FaultyToy(**kw)
+
+
+def toy_engine(args=None, faulty_seed: int | None = None):
     "A picklable factory of the scheduler chapter's `ToyEngine`, sized like the default model (vocabulary, EOS) and `args`."
     from functools import partial
     from minisgl.engine import EngineArgs
@@ -30,20 +41,20 @@ def toy_engine(args=None):
     args, tok = args or EngineArgs(), load_tokenizer()
     seq, rows = args.max_seq_len or 2048, args.max_running_reqs or SchedulerConfig().max_running_reqs
     pages = args.num_pages or -(-(rows + 1) * seq // args.page_size)      # every slot can fill its context
-    return partial(ToyEngine, num_pages=pages, page_size=args.page_size, max_seq_len=seq, vocab_size=len(tok),
-                   eos_token_ids=[tok.eos_token_id])
+    kw = dict(num_pages=pages, page_size=args.page_size, max_seq_len=seq, vocab_size=len(tok), eos_token_ids=[tok.eos_token_id])
+    return partial(ToyEngine, **kw) if faulty_seed is None else partial(_faulty_toy, faulty_seed, **kw)
 
 
 class ServerProc:
     "A `minisgl serve` subprocess on loopback (`toy`: on the `ToyEngine`, through tests/toy_serve.py)."
-    def __init__(self, *args: str, timeout: float = 240, toy: bool = False):
+    def __init__(self, *args: str, timeout: float = 240, toy: bool = False, debug: bool = True):
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self._output = ""
         self.log = tempfile.NamedTemporaryFile("w+", prefix="minisgl-serve-", suffix=".log", delete=False)
         cmd = [sys.executable, str(Path(__file__).with_name("toy_serve.py"))] if toy else [sys.executable, "-m", "minisgl", "serve"]
         self.proc = subprocess.Popen([*cmd, "--port", str(self.port),
-                                      "--log-level", "warning", *args],
+                                      "--log-level", "warning", *(["--debug-routes"] if debug else []), *args],
                                      stdout=self.log, stderr=subprocess.STDOUT, env=ENV, start_new_session=True)
         t0, seen_503 = time.monotonic(), False
         while True:

@@ -272,7 +272,7 @@ BAD = [
     ("completions", {"prompt": "hi", "top_p": 0}, "top_p: must be in (0, 1], got 0", "top_p"),
     ("completions", {"prompt": "hi", "top_p": 1.5}, "top_p: must be in (0, 1], got 1.5", "top_p"),
     ("completions", {"prompt": "hi", "n": 0}, "n must be in [1, 64], got 0", "n"),
-    ("completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens: must be an int >= 1 or None, got 0", "max_tokens"),
+    ("completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens: must be an int in [1, 2147483647] or None, got 0", "max_tokens"),
     ("chat", {"messages": CHAT, "max_tokens": "many"}, "max_tokens", "max_tokens"),
     ("completions", {"prompt": [1, 2, 999999]}, "prompt: token ids must be in [0, 49152), got [999999]", "prompt"),
     ("completions", {"prompt": PROMPT, "max_tokens": 100000}, f"prompt has 5 tokens, max_tokens 100000, context {CONTEXT}", "max_tokens"),
@@ -311,7 +311,7 @@ def test_bad_requests_change_nothing(server, answers):
             if i == 1:
                 for endpoint, body, _, _ in BAD:
                     url = f"{server.base}/v1/{'chat/completions' if endpoint == 'chat' else 'completions'}"
-                    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+                    kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {"json": body}
                     statuses.append(httpx.post(url, timeout=30, **kw).status_code)
             if line.startswith("data: {"):
                 text += json.loads(line[6:])["choices"][0]["text"]

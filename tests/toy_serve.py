@@ -10,5 +10,8 @@ from minisgl.server import ServerArgs, serve
 from server_utils import toy_engine
 
 if __name__ == "__main__":
-    args = args_from(build_parser().parse_args(["serve", *sys.argv[1:]]), ServerArgs)
-    sys.exit(serve(args, engine_factory=toy_engine(args)))
+    argv, faulty = sys.argv[1:], None
+    if "--faulty-seed" in argv:      # the test hook: requests with this seed fail inside the engine
+        i = argv.index("--faulty-seed"); faulty = int(argv[i + 1]); del argv[i:i + 2]
+    args = args_from(build_parser().parse_args(["serve", *argv]), ServerArgs)
+    sys.exit(serve(args, engine_factory=toy_engine(args, faulty)))
