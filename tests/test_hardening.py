@@ -186,15 +186,19 @@ def test_killed_worker_fails_every_request_and_the_server_exits(worker):
     dbg = httpx.get(s.base + "/debug/scheduler").json()
     pid, children = dbg["workers"][worker], s.children()
     got: dict[str, object] = {}
+    opened = threading.Event()
     def plain():
-        got["plain"] = httpx.post(s.base + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1900, "ignore_eos": True}, timeout=60)
+        got["plain"] = httpx.post(s.base + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1900, "ignore_eos": True, "n": 4},
+                                  timeout=60)
     def stream():
         with httpx.stream("POST", s.base + "/v1/completions", timeout=60,
                           json={"prompt": "Hi", "max_tokens": 1900, "ignore_eos": True, "stream": True}) as r:
-            got["stream"] = [l for l in r.iter_lines() if l]
+            lines = r.iter_lines(); first = next(lines); opened.set()
+            got["stream"] = [l for l in [first, *lines] if l]
     threads = [threading.Thread(target=plain), threading.Thread(target=stream)]
     for t in threads: t.start()
-    time.sleep(0.5)
+    assert opened.wait(60)
+    wait_running(s, 5)           # the stream and the 4 choices of the other request, all in flight
     os.kill(pid, signal.SIGKILL)
     t0, health = time.monotonic(), None
     while health is None and time.monotonic() - t0 < 5:      # /health turns 503 at once (or the server is already gone)
@@ -221,7 +225,7 @@ def test_stalled_scheduler_is_detected_and_recovers():
         got = {}
         t = threading.Thread(target=lambda: got.setdefault("r", post(s, "/v1/completions", {"prompt": "Hi", "max_tokens": 1900,
                                                                                          "ignore_eos": True})))
-        t.start(); time.sleep(0.3)
+        t.start(); wait_running(s, 1)
         os.kill(pid, signal.SIGSTOP)
         try:
             t0 = time.monotonic()
@@ -258,6 +262,14 @@ def test_workers_and_sockets_end_with_a_killed_server():
 
 
 # -------------------------------------------------------------- what held before and must keep holding
+def wait_running(s, n: int):
+    "Until the scheduler runs `n` requests (so that what follows strikes requests in flight)."
+    t0 = time.monotonic()
+    while httpx.get(s.base + "/debug/scheduler").json()["running"] < n:
+        assert time.monotonic() - t0 < 60, f"{n} requests never ran"
+        time.sleep(0.05)
+
+
 def rss_mb(pids) -> float:
     total = 0
     for pid in pids:
@@ -297,3 +309,34 @@ def test_many_streams_an_abort_storm_and_steady_memory():
         assert_healthy(s)
     finally:
         assert s.stop() == 0, s.output()
+
+
+def test_sigterm_with_16_open_streams():
+    "SIGTERM under load: every open stream ends (finish_reason abort, then [DONE]), the server exits 0, nothing is left."
+    s = ServerProc(toy=True)
+    dbg = httpx.get(s.base + "/debug/scheduler").json()
+    children, ipc_dir, ends, open_ = s.children(), dbg["ipc_dir"], {}, threading.Semaphore(0)
+    def stream(i):
+        with httpx.stream("POST", s.base + "/v1/completions", timeout=60,
+                          json={"prompt": f"Go {i}", "max_tokens": 1900, "ignore_eos": True, "stream": True}) as r:
+            lines = r.iter_lines()
+            got = [next(lines)]; open_.release()                  # this stream is open and streaming
+            ends[i] = [l for l in [*got, *lines] if l][-2:]
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(16)]
+    for t in threads: t.start()
+    for _ in threads: assert open_.acquire(timeout=60)
+    s.proc.send_signal(signal.SIGTERM)
+    for t in threads: t.join(30)
+    assert len(ends) == 16 and all(e[-1] == "data: [DONE]" for e in ends.values()), ends
+    assert all(json.loads(e[0][6:])["choices"][0]["finish_reason"] in ("abort", "length") for e in ends.values())
+    assert s.proc.wait(30) == 0, s.output()
+    assert not survivors(children) and not os.path.exists(ipc_dir)
+    s.stop()
+
+
+def test_api_key_from_the_environment(monkeypatch):
+    from minisgl.server import ServerArgs
+    monkeypatch.setenv("MINISGL_API_KEY", "from-env")
+    assert ServerArgs().api_key == "from-env" and ServerArgs(api_key="given").api_key == "given"
+    monkeypatch.delenv("MINISGL_API_KEY")
+    assert ServerArgs().api_key is None
