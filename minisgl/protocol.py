@@ -132,6 +132,10 @@ class ChatMessage(BaseModel):
         _require_text(v or "", "content")
         return v or ""
 
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v): return v if v is None else _require_text(v, "name")
+
 # %% ../nbs/09_protocol.ipynb #143a32b5
 class ChatCompletionRequest(_SamplingRequest):
     "The body of `POST /v1/chat/completions`."

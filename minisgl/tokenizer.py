@@ -127,11 +127,15 @@ class TokenizerWorker:
         return Accepted(msg.uids, [len(p) for p in prompts]), self.add_request(msg.uids, prompts, params)
 
     def _check_length(self, msg: GenerateReq):
-        "Refuse a text too long for the context before tokenizing it: one huge request must not stall the others."
+        "Refuse a text too long for the context before tokenizing it whole: one huge request must not stall the others."
         texts = [p for p in msg.prompts or [] if isinstance(p, str)] + [m.get("content") or "" for m in msg.messages or []]
+        param, ctx = "messages" if msg.messages is not None else "prompt", self.info["max_seq_len"]
         n = max(map(len, texts), default=0) if msg.prompts is not None else sum(map(len, texts))
-        check(n <= self.max_chars, "messages" if msg.messages is not None else "prompt",
-              f"has {n} characters: more than {self.info['max_seq_len']} tokens of this model can hold")
+        check(n <= self.max_chars, param, f"has {n} characters: more than {ctx} tokens of this model can hold")
+        for t in texts:   # a long text: its first 16 characters per token of context are often already too many tokens
+            if len(t) > 16 * ctx:
+                k = len(self.tokenizer.encode(t[:16 * ctx], add_special_tokens=False))
+                check(k <= ctx + 1, param, f"has more than {ctx} tokens (its first {16 * ctx} characters alone have {k})")
 
     def add_request(self, uids: list[int], prompts: list[list[int]], params: list[SamplingParams]) -> list[UserMsg]:
         "Register the choices `uids` (choice `i` is prompt `i*len(prompts)//len(uids)`); return the `UserMsg`s to send now."

@@ -62,7 +62,7 @@ def mutated(draw):
     if chat: body["messages"] = [{"role": "user", "content": draw(st.text(max_size=30))}]
     else: body["prompt"] = draw(st.one_of(st.text(min_size=1, max_size=30), st.lists(st.integers(0, 49151), min_size=1, max_size=8)))
     for _ in range(draw(st.integers(1, 3))):
-        field = draw(st.sampled_from(FIELDS + ["messages.content", "messages.role"]))
+        field = draw(st.sampled_from(FIELDS + ["messages.content", "messages.role", "messages.name"]))
         value = draw(HOSTILE)
         msgs = body.get("messages")
         if field.startswith("messages."):

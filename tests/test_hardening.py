@@ -60,6 +60,7 @@ def openai_error(r, status, param=None):
     ("/v1/completions", '{"prompt": "\\udc80"}', 400, "prompt"),
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "a\\ud800b"}]}', 400, "messages.0.content"),
     ("/v1/completions", '{"prompt": "Hi", "stop": ["\\udc80"]}', 400, "stop"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "Hi", "name": "\\udc80"}]}', 400, "messages.0.name"),
     ("/v1/completions", {"prompt": "Hi", "seed": 2**64}, 400, "seed"),
     ("/v1/completions", {"prompt": "Hi", "repetition_penalty": 1e-300}, 400, "repetition_penalty"),
 ])
