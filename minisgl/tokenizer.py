@@ -5,9 +5,12 @@
 # %% ../nbs/10_tokenizer.ipynb #3f19a388
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import shutil
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from fastcore.basics import patch
@@ -20,7 +23,7 @@ from .weights import load_tokenizer
 logger = logging.getLogger("minisgl.tokenizer")
 
 # %% auto #0
-__all__ = ['logger', 'IncrementalDetokenizer', 'encode_request', 'TokenizerWorker', 'run_tokenizer_worker']
+__all__ = ['logger', 'IncrementalDetokenizer', 'encode_request', 'TokenizerWorker', 'Admissions', 'run_tokenizer_worker']
 
 # %% ../nbs/10_tokenizer.ipynb #e327ddef
 def _held_len(text: str, stops: list[str]) -> int:
@@ -110,9 +113,20 @@ class TokenizerWorker:
 
     def handle_generate(self, msg: GenerateReq) -> tuple[Accepted | Rejected, list[UserMsg]]:
         "Tokenize and check one request: the reply for the API server, and the messages for the scheduler."
+        return self.admit(msg, self.prepare(msg))
+
+    def admit(self, msg: GenerateReq, prepared) -> tuple[Accepted | Rejected, list[UserMsg]]:
+        "Register a request `prepare` accepted (its prompts' ids and one `SamplingParams` per choice), or pass its `Rejected` on."
+        if isinstance(prepared, Rejected): return prepared, []
+        prompts, params = prepared
+        return Accepted(msg.uids, [len(p) for p in prompts]), self.add_request(msg.uids, prompts, params)
+
+    def prepare(self, msg: GenerateReq, tokenizer=None) -> Rejected | tuple[list[list[int]], list[SamplingParams]]:
+        "Tokenize and check `msg` without changing any state, so that it can run on a thread (with a `tokenizer` of its own)."
+        tok = tokenizer or self.tokenizer
         try:
-            self._check_length(msg)
-            prompts, params = encode_request(self.tokenizer, msg), []
+            self._check_length(msg, tok)
+            prompts, params = encode_request(tok, msg), []
             for p in prompts:
                 i = self.info
                 max_tokens = check_prompt(p, msg.params.max_tokens, i["vocab_size"], i["max_seq_len"], default=msg.default_max_tokens,
@@ -120,13 +134,13 @@ class TokenizerWorker:
                 params += replace(msg.params, max_tokens=max_tokens).choices()
         except ParamError as e:
             param = "messages" if msg.messages is not None and e.param == "prompt" else e.param
-            return Rejected(msg.uids, str(e), param), []
+            return Rejected(msg.uids, str(e), param)
         except Exception as e:   # a fault of ours while tokenizing: this request fails, the worker goes on
             logger.exception("tokenizing request %s failed", msg.uids[0])
-            return Rejected(msg.uids, f"internal error while tokenizing: {type(e).__name__}: {str(e)[:200]}", status=500), []
-        return Accepted(msg.uids, [len(p) for p in prompts]), self.add_request(msg.uids, prompts, params)
+            return Rejected(msg.uids, f"internal error while tokenizing: {type(e).__name__}: {str(e)[:200]}", status=500)
+        return prompts, params
 
-    def _check_length(self, msg: GenerateReq):
+    def _check_length(self, msg: GenerateReq, tok):
         "Refuse a text too long for the context before tokenizing it whole: one huge request must not stall the others."
         texts = [p for p in msg.prompts or [] if isinstance(p, str)] + [m.get("content") or "" for m in msg.messages or []]
         param, ctx = "messages" if msg.messages is not None else "prompt", self.info["max_seq_len"]
@@ -134,7 +148,7 @@ class TokenizerWorker:
         check(n <= self.max_chars, param, f"has {n} characters: more than {ctx} tokens of this model can hold")
         for t in texts:   # a long text: its first 16 characters per token of context are often already too many tokens
             if len(t) > 16 * ctx:
-                k = len(self.tokenizer.encode(t[:16 * ctx], add_special_tokens=False))
+                k = len(tok.encode(t[:16 * ctx], add_special_tokens=False))
                 check(k <= ctx + 1, param, f"has more than {ctx} tokens (its first {16 * ctx} characters alone have {k})")
 
     def add_request(self, uids: list[int], prompts: list[list[int]], params: list[SamplingParams]) -> list[UserMsg]:
@@ -190,6 +204,38 @@ class TokenizerWorker:
         dec = lambda t: self.tokenizer.decode([t])
         return [(dec(o.token_id), float(o.logprob), [(dec(t), float(lp)) for t, lp in (o.top_logprobs or [])])]
 
+# %% ../nbs/10_tokenizer.ipynb #06e66d83
+class Admissions:
+    "Requests being tokenized on a thread (`TokenizerWorker.prepare`), admitted in arrival order by the loop."
+    def __init__(self, worker: TokenizerWorker, tokenizer):
+        self.worker, self.tokenizer = worker, tokenizer
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="minisgl-tokenize")
+        self.queue: deque[tuple[GenerateReq, Future]] = deque()
+        self.cancelled: set[int] = set()
+
+    @property
+    def busy(self) -> bool: return bool(self.queue)
+
+    def submit(self, msg: GenerateReq): self.queue.append((msg, self.pool.submit(self.worker.prepare, msg, self.tokenizer)))
+
+    def cancel(self, uids: list[int]):
+        "Cancel the requests among `uids` that are still being tokenized."
+        waiting = {u for m, _ in self.queue for u in m.uids}
+        self.cancelled.update(u for u in uids if u in waiting)
+
+    def ready(self) -> list[tuple[Accepted | Rejected, list[UserMsg]]]:
+        "Admit the requests whose tokenizing is done, in order: a reply for the API server and the scheduler's messages each."
+        out = []
+        while self.queue and self.queue[0][1].done():
+            msg, fut = self.queue.popleft()
+            if msg.uids[0] in self.cancelled:
+                self.cancelled.difference_update(msg.uids)
+                out.append((Rejected(msg.uids, "cancelled while it was being tokenized", status=499), []))
+            else: out.append(self.worker.admit(msg, fut.result()))
+        return out
+
+    def close(self): self.pool.shutdown(wait=False, cancel_futures=True)
+
 # %% ../nbs/10_tokenizer.ipynb #45683ce6
 def _drain(sock):
     "Every message already waiting on `sock`, without blocking."
@@ -212,18 +258,20 @@ def _from_scheduler(msg, tok, worker: TokenizerWorker | None, to_api, send_sched
     return worker
 
 # %% ../nbs/10_tokenizer.ipynb #0bb58bb3
-def _from_api(msg, worker: TokenizerWorker | None, to_api, send_sched) -> bool:
-    "Route one message from the API server; False when it was the shutdown."
+def _from_api(msg, worker: TokenizerWorker | None, to_api, send_sched, admissions: Admissions | None = None) -> bool:
+    "Route one message from the API server (requests to `admissions` when given); False when it was the shutdown."
     if isinstance(msg, ControlMsg):
         send_sched([msg])
         if msg.kind == "shutdown": return False
     elif worker is None:
         if isinstance(msg, GenerateReq):
             to_api.send_pyobj(Rejected(msg.uids, "the model is still loading", status=503))
+    elif isinstance(msg, GenerateReq) and admissions is not None: admissions.submit(msg)
     elif isinstance(msg, GenerateReq):
         reply, out = worker.handle_generate(msg)
         to_api.send_pyobj(reply); send_sched(out)
     elif isinstance(msg, AbortReq):
+        if admissions is not None: admissions.cancel(msg.uids)
         texts, out = worker.handle_abort(msg)
         send_sched(out)
         if texts: to_api.send_pyobj(texts)
@@ -242,25 +290,30 @@ def run_tokenizer_worker(names: IPCNames, model: str | None, tokenizer=None) -> 
     to_sched = ctx.socket(zmq.PUSH); to_sched.connect(names.scheduler)
     def send_sched(msgs):
         for m in msgs: to_sched.send_pyobj(m)
+    admissions = None
     try:
         try: tok = tokenizer or load_tokenizer(model)
         except Exception as e:
             to_api.send_pyobj(Ready({"error": f"the tokenizer failed to load: {type(e).__name__}: {e}"})); return
-        worker = None
+        worker = admissions = None
         poller = zmq.Poller()
         poller.register(from_api, zmq.POLLIN); poller.register(from_sched, zmq.POLLIN)
         while True:
-            events = dict(poller.poll(500))
+            events = dict(poller.poll(5 if admissions is not None and admissions.busy else 500))
             if os.getppid() != parent: break
             if from_sched in events:
                 for msg in _drain(from_sched):
                     try: worker = _from_scheduler(msg, tok, worker, to_api, send_sched)
                     except Exception: logger.exception("routing a %s from the scheduler failed", type(msg).__name__)
+                if worker is not None and admissions is None: admissions = Admissions(worker, copy.deepcopy(tok))
             if from_api in events:
                 for msg in _drain(from_api):
                     try:
-                        if not _from_api(msg, worker, to_api, send_sched): return
+                        if not _from_api(msg, worker, to_api, send_sched, admissions): return
                     except Exception: logger.exception("routing a %s from the API server failed", type(msg).__name__)
+            for reply, out in admissions.ready() if admissions is not None else ():
+                to_api.send_pyobj(reply); send_sched(out)
     finally:
+        if admissions is not None: admissions.close()
         ctx.destroy(linger=200)
         if os.getppid() != parent: shutil.rmtree(names.dir, ignore_errors=True)   # the server died: nobody else will
