@@ -281,7 +281,7 @@ def _run_engine(self: Scheduler, batch: Batch, emits: torch.Tensor) -> ForwardOu
     batch.input_ids = pool[rows.repeat_interleave(batch.extend_lens.long()), batch.positions].long()
     try: output = self.engine.forward_batch(batch)
     except Exception as e: output = self._forward_each(batch, e)    # one request's fault must not fail the others
-    if output.errors: emits = emits & ~torch.isin(torch.arange(len(batch.reqs), device=emits.device), torch.tensor(list(output.errors), device=emits.device))
+    if output.errors: emits = emits.clone(); emits[list(output.errors)] = False      # a failed request gets no token
     pool[rows[emits], batch.seq_lens.long()[emits]] = output.next_tokens.to(pool)[emits]
     return output
 
@@ -311,9 +311,11 @@ def _forward_each(self: Scheduler, batch: Batch, error: Exception) -> ForwardOut
         except Exception as e:
             errors[i] = f"internal error while running the request: {type(e).__name__}: {str(e)[:200]}"; continue
         tokens[i] = out.next_tokens[0]
-    lps = [o.logprobs[0] for o in outs.values() if o.logprobs is not None]
-    logprobs = torch.stack([outs[i].logprobs[0] if i in outs and outs[i].logprobs is not None else torch.tensor(float('nan'))
-                            for i in range(len(batch.reqs))]) if lps else None
+    lps = {i: o.logprobs[0] for i, o in outs.items() if o.logprobs is not None}
+    logprobs = None
+    if lps:    # NaN for the rows that failed or asked for none
+        logprobs = torch.full((len(batch.reqs),), float('nan'))
+        for i, lp in lps.items(): logprobs[i] = lp
     tops = {i: o.top_logprobs for i, o in outs.items() if o.top_logprobs is not None}
     top = None
     if tops:   # rows asked for different K: pad to the largest (a request reads only its own K)

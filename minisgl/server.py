@@ -161,7 +161,8 @@ class Frontend:
         uids = list(self.pending)
         for uid in uids:
             q, _ = self.pending.pop(uid)
-            q.put_nowait(TextOutput(uid, "", [], finished=True, finish_reason="error" if error else "abort", error=error, internal=True))
+            q.put_nowait(TextOutput(uid, "", [], finished=True, finish_reason="error" if error else "abort", error=error,
+                                    internal=error is not None))
         if uids: self._send(AbortReq(uids))
 
     def _send(self, msg): self.outbox.send_pyobj(msg)
