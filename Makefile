@@ -1,11 +1,14 @@
-# The two commands of the README, plus the steps they are made of.
-.PHONY: serve test setup export docs clean
+# The commands of the README (serve, test, lab), plus the steps they are made of.
+.PHONY: serve test lab setup export docs clean
 
 serve: setup          ## set up .venv if needed, then serve the embedded default model
 	.venv/bin/minisgl serve
 
 test:                 ## set up .venv if needed, then run every test (notebooks and tests/)
 	scripts/test.sh
+
+lab:                  ## set up .venv if needed, then open the chapters in JupyterLab (127.0.0.1 only; PORT=8888)
+	scripts/lab.sh
 
 setup:
 	scripts/setup_env.sh

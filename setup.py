@@ -39,7 +39,9 @@ def ext_modules():
     sources = sorted(glob("csrc/*.cpp") + glob("csrc/cpu/*.cpp"))
     if not sources:
         return [], {}
-    cxx = ["-O3", "-std=c++17", "-fopenmp"]
+    # -g0: Python's own CFLAGS ask for debug info, which for torch's headers is most of the compile time
+    # (measured: 62 -> 38 s of CPU for bindings.cpp, 34 -> 13 s for gemm_bf16.cpp) and is never used
+    cxx = ["-O3", "-g0", "-std=c++17", "-fopenmp"]
     with_cuda = ce.CUDA_HOME is not None and __import__("torch").version.cuda is not None
     if with_cuda and os.environ.get("MINISGL_NO_CUDA") != "1":
         ext = ce.CUDAExtension(

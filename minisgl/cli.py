@@ -8,11 +8,37 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import socket
 import sys
 import typing
 
 # %% auto #0
-__all__ = ['HELP', 'add_options', 'args_from', 'build_parser', 'run_tune', 'run_shell', 'main']
+__all__ = ['DEFAULT_HOST', 'DEFAULT_PORT', 'HELP', 'bind_listener', 'add_options', 'args_from', 'build_parser', 'run_tune',
+           'run_shell', 'main']
+
+# %% ../nbs/13_cli.ipynb #3b67e8e0
+DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 1919      # where `minisgl serve` listens (`ServerArgs`' defaults)
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    "The server's listening socket, bound before any worker starts; a busy port is a `ValueError` naming it."
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)     # as uvicorn's own: a port in TIME_WAIT is free
+    try: sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"port: {host}:{port} is not free ({e.strerror}): is another server running there? "
+                         f"choose another with --port") from None
+    return sock
+
+
+def _bind_early(argv: list[str]) -> socket.socket | None:
+    "For `serve`: the listening socket, bound from `--host`/`--port` alone, before torch is imported."
+    if not argv or argv[0] != "serve" or {"-h", "--help"} & set(argv): return None
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--host", default=DEFAULT_HOST); pre.add_argument("--port", default=str(DEFAULT_PORT))
+    known, _ = pre.parse_known_args(argv[1:])
+    if not known.port.isdigit(): return None             # the real parser says what is wrong with it
+    return bind_listener(known.host, int(known.port))
 
 # %% ../nbs/13_cli.ipynb #8a946226
 def _own_fields(cls) -> list[dataclasses.Field]:
@@ -70,8 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
                                     "Commands: /reset (forget the conversation), /exit (or Ctrl-D).")
     g = sh.add_argument_group("generation")
     g.add_argument("--max-tokens", type=int, default=None, metavar="N", help="tokens per answer at most (default: up to the context)")
-    g.add_argument("--temperature", type=float, default=0.7, help="0 for greedy (default: %(default)s)")
-    g.add_argument("--top-p", type=float, default=0.9, help="(default: %(default)s)")
+    g.add_argument("--temperature", type=float, default=None, help="0 for greedy (default: the model's recommendation, "
+                                                                   "see --sampling-defaults)")
+    g.add_argument("--top-p", type=float, default=None, help="(default: the model's recommendation)")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--system", default=None, metavar="TEXT", help="a system prompt")
     _add_engine_options(sh)
@@ -134,23 +161,33 @@ def run_shell(llm, sampling_params, system: str | None = None, input_fn=input, o
 # %% ../nbs/13_cli.ipynb #19f64766
 def main(argv: list[str] | None = None) -> int:
     "Entry point of the `minisgl` command."
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try: sock = _bind_early(argv)
+    except ValueError as e:
+        print(f"minisgl serve: error: {e}", file=sys.stderr); return 2
     parser = build_parser()
-    ns = parser.parse_args(argv)
+    try: ns = parser.parse_args(argv)
+    except SystemExit:
+        if sock: sock.close()
+        raise
     if ns.command is None: parser.print_help(); return 0
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         if ns.command == "tune": return run_tune(ns)
         if ns.command == "serve":
             from minisgl.server import ServerArgs, serve
-            return serve(args_from(ns, ServerArgs))
-        from minisgl.core import SamplingParams
+            args = args_from(ns, ServerArgs)
+            if sock is not None and sock.getsockname()[1] != args.port: sock.close(); sock = None   # a spelling the pre-reading missed
+            return serve(args, sock=sock)
         from minisgl.engine import EngineArgs
         from minisgl.llm import LLM
-        sp = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, seed=ns.seed)
         args = args_from(ns, EngineArgs)
         print("loading the model...", file=sys.stderr, flush=True)
         llm = LLM(**dataclasses.asdict(args))
+        given = {k: getattr(ns, k) for k in ("temperature", "top_p") if getattr(ns, k) is not None}
+        sp = llm.default_params(max_tokens=ns.max_tokens, seed=ns.seed, **given)   # the flags given, else the model's
         run_shell(llm, sp, ns.system)
         return 0
     except (ValueError, FileNotFoundError) as e:
+        if sock: sock.close()
         parser.exit(2, f"minisgl {ns.command}: error: {e}\n")

@@ -121,7 +121,7 @@ def first_stop(text: str, stop: list[str]) -> int | None:
 
 # %% ../nbs/00_core.ipynb #bddc937d
 def check_prompt(ids, max_tokens: int | None, vocab_size: int, max_seq_len: int, default: int | None = None,
-                 kv_slots: int | None = None, page_size: int = 1) -> int:
+                 kv_slots: int | None = None, page_size: int = 1, clip: bool = False) -> int:
     "Check a prompt's token ids against the vocabulary, the context and a KV pool of `kv_slots`; return its `max_tokens`."
     n = len(ids)
     check(n > 0, 'prompt', 'must not be empty')
@@ -133,17 +133,17 @@ def check_prompt(ids, max_tokens: int | None, vocab_size: int, max_seq_len: int,
     check(len(bad) == 0, 'prompt', f'token ids must be in [0, {vocab_size}), got {bad[:5].tolist()}')
     room = max_seq_len - n
     check(room >= 1, 'prompt', f'prompt has {n} tokens, context {max_seq_len}: no room left to generate')
-    if max_tokens is not None:
+    if max_tokens is not None and not clip:
         check(max_tokens <= room, 'max_tokens', f'prompt has {n} tokens, max_tokens {max_tokens}, context {max_seq_len}: '
               'prompt + max_tokens must be <= context')
     if kv_slots is not None:   # a request never runs if its whole length does not fit the pool, in whole pages
         fits = kv_slots // page_size * page_size - n
         check(fits >= 1, 'prompt', f'prompt has {n} tokens, the KV pool {kv_slots}: no room left to generate')
-        if max_tokens is None: room = min(room, fits)
+        if max_tokens is None or clip: room = min(room, fits)
         else: check(max_tokens <= fits, 'max_tokens', f'prompt has {n} tokens, max_tokens {max_tokens}: more KV than the '
                     f'pool of {kv_slots} slots holds')
     if max_tokens is None: return room if default is None else min(default, room)
-    return max_tokens
+    return min(max_tokens, room)   # without `clip`, max_tokens <= room was checked above
 
 # %% ../nbs/00_core.ipynb #bebdb49f
 FinishReason = Literal['stop', 'length', 'abort', 'error']

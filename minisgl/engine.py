@@ -19,7 +19,8 @@ from .linear import (KERNELS, ROW_BUCKETS, KernelPlan, PackedLinear, can_pack_li
 from .models import CausalLM, ForwardContext, ModelConfig
 from .scheduler import ModelRunner, SchedulerConfig
 from .sampling import SamplingBatch, sample
-from .weights import eos_token_ids, load_hf_config, load_model, load_tokenizer, resolve_model
+from .weights import (eos_token_ids, load_hf_config, load_model, load_tokenizer, model_problem, resolve_model,
+                             sampling_defaults)
 
 logger = logging.getLogger('minisgl.engine')
 
@@ -52,6 +53,10 @@ class EngineConfig:
                                   "measure measures anew, a kernel name forces it", choices=('auto', 'measure', *KERNELS))
     kernel_layouts: int = option(2, "weight layouts a linear may keep: 1 holds one copy of the weights, 2 lets decode and prefill "
                                     "each take their fastest kernel", choices=(1, 2, 3), metavar='N')
+    sampling_defaults: str = option('model', "sampling for requests that leave it out: model reads the model's generation_config.json "
+                                             "(the embedded model's: temperature 0.2, top-p 0.9, from its model card), none keeps the "
+                                             "entry point's own, a JSON object is laid over the model's, e.g. '{\"temperature\": 0.7}'",
+                                    metavar='SPEC')
 
     def __post_init__(self):
         check(self.dtype == 'auto' or self.dtype in _DTYPES, 'dtype', f'must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}')
@@ -66,6 +71,7 @@ class EngineConfig:
         check_choice('kernel_layouts', self.kernel_layouts, (1, 2, 3))
         check(not isinstance(self.kernel_layouts, bool), 'kernel_layouts', 'must be 1, 2 or 3')
         check_choice('attention_backend', self.attention_backend, (None, 'cpu', 'cuda', 'triton', 'torch'))
+        sampling_defaults(None, self.sampling_defaults)      # its shape now; the model's values when it loads
 
 # %% ../nbs/08_engine.ipynb #bf82b302
 def _resolve_device(device: str) -> torch.device:
@@ -111,6 +117,8 @@ class Engine:
         self.vocab_size = cfg.vocab_size
         self.tokenizer = load_tokenizer(self.model_dir)
         self.eos_token_ids = eos_token_ids(self.model_dir, self.tokenizer)
+        self.sampling_defaults = sampling_defaults(self.model_dir, config.sampling_defaults)
+        logger.info('sampling defaults (for requests that leave them out): %s', self.sampling_defaults or 'none')
         self.kernel_plan = self._plan_kernels() if can_pack_linears(self.device, self.dtype) else None
         self.limits = self._fit_limits()                      # rows and prefill tokens (read off the plan)
         self.num_pages = config.num_pages or self._pages_that_fit()
@@ -246,12 +254,15 @@ class EngineArgs(EngineConfig):
                                                "next tokens and prompt chunks in one batch, so arriving prompts do not stall streams "
                                                "(default: mixed for serve, prefill_first for LLM and shell)",
                                          choices=('prefill_first', 'mixed'))
+    clip_max_tokens: bool = option(SchedulerConfig.clip_max_tokens, "shorten a max_tokens that the context or the KV pool cannot "
+                                   "hold to what they leave (mini-sglang's behaviour) instead of refusing the request")
 
     def __post_init__(self):
         super().__post_init__()
-        check(self.model is None or Path(self.model).expanduser().exists(), 'model', f'no such file or directory, got {self.model!r}')
+        if self.model is not None: check((why := model_problem(self.model)) is None, 'model', why)   # before any process loads it
         check_int('prefill_budget', self.prefill_budget, optional=True)
-        SchedulerConfig(cache=self.cache, overlap=self.overlap, schedule_policy=self.schedule_policy or 'prefill_first')  # its rules
+        SchedulerConfig(cache=self.cache, overlap=self.overlap, schedule_policy=self.schedule_policy or 'prefill_first',
+                        clip_max_tokens=self.clip_max_tokens)  # its rules
 
     def scheduler_config(self, engine: ModelRunner | None = None, serving: bool = False) -> SchedulerConfig:
         "The scheduler's config: what these args set, else the limits `engine` fitted (an `Engine`; else the fixed ones)."
@@ -259,7 +270,8 @@ class EngineArgs(EngineConfig):
         return SchedulerConfig(max_running_reqs=self.max_running_reqs or limits.max_running_reqs,
                                prefill_budget=self.prefill_budget or (limits.serve_budget if serving else limits.prefill_budget),
                                cache=self.cache, overlap=self.overlap,
-                               schedule_policy=self.schedule_policy or ('mixed' if serving else 'prefill_first'))
+                               schedule_policy=self.schedule_policy or ('mixed' if serving else 'prefill_first'),
+                               clip_max_tokens=self.clip_max_tokens)
 
     @property
     def model_name(self) -> str:

@@ -18,7 +18,7 @@ from .core import Req, check_choice, check_int
 
 # %% auto #0
 __all__ = ['KVPool', 'PageAllocator', 'TableManager', 'CacheHandle', 'NaivePrefixCache', 'RadixNode', 'RadixPrefixCache',
-           'kv_slots_needed', 'CacheManager']
+           'kv_slots_needed', 'CacheManager', 'draw_kv_occupancy']
 
 # %% ../nbs/01_kvcache.ipynb #6c9ade87
 class KVPool:
@@ -326,6 +326,10 @@ class CacheManager:
     def num_cached_pages(self) -> int: return len(self.prefix_cache.cached_pages())
     @property
     def num_owned_pages(self) -> int: return sum(map(len, self.owned.values()))
+    @property
+    def occupancy(self) -> tuple[int, int, int]:
+        "Pages `(free, owned by running requests, cached)`: one sample for `draw_kv_occupancy`."
+        return self.num_free_pages, self.num_owned_pages, self.num_cached_pages
 
 # %% ../nbs/01_kvcache.ipynb #693c6add
 @patch
@@ -391,3 +395,22 @@ def check_integrity(self: CacheManager, reqs: Iterable[Req] = ()):
         mapped = (self.page_table[row, 0:req.cached_len:ps] // ps).tolist()
         expect = (self.prefix_cache.pages_of(h) + self.owned[row])[:len(mapped)]
         assert mapped == expect, f"{req}: page table maps {mapped}, owns {expect}"
+
+# %% ../nbs/01_kvcache.ipynb #54fa0b6d
+def draw_kv_occupancy(samples: list[tuple[int, int, int]], ax=None, title: str = 'KV pool occupancy'):
+    "Stacked areas of `(free, owned, cached)` page counts, one sample per step (`CacheManager.occupancy`); returns the axes."
+    import matplotlib.pyplot as plt                  # here, not at import: the package stays light to import
+    from matplotlib.ticker import MaxNLocator
+    if ax is None: _, ax = plt.subplots(figsize=(7, 2.6))
+    free, owned, cached = (list(col) + [col[-1]] for col in zip(*samples))   # the last step as wide as the others
+    steps, bottom = range(len(samples) + 1), [0] * (len(samples) + 1)
+    for vals, label, color in ((owned, 'owned by running requests', '#4c72b0'),
+                               (cached, 'cached (prefix cache)', '#e5c15a'), (free, 'free', '#eeeeee')):
+        top = [b + v for b, v in zip(bottom, vals)]
+        ax.fill_between(steps, bottom, top, step='post', label=label, color=color, ec='#666', lw=0.5)
+        bottom = top
+    ax.set_xlim(0, len(samples)); ax.set_ylim(0, max(bottom) * 1.02)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel('step'); ax.set_ylabel('pages'); ax.set_title(title, fontsize=10)
+    ax.legend(loc='upper left', bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
+    return ax

@@ -55,6 +55,8 @@ class LLM:
         self.args = EngineArgs(model=model, **engine_args)
         self.engine = engine or Engine(self.args)
         self.tokenizer = self.engine.tokenizer if isinstance(self.engine, Engine) else load_tokenizer(self.args.model)
+        # a call without sampling params gets what the model recommends, as a server request that omits them does
+        self.sampling_defaults = self.engine.sampling_defaults if isinstance(self.engine, Engine) else {}
         detok = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)
         # outputs are consumed from step()'s return value; the default send_fn would keep them all
         self.scheduler = Scheduler(self.engine, self.args.scheduler_config(self.engine), send_fn=lambda outputs: None,
@@ -97,6 +99,12 @@ def _drive(self: LLM, uids: set[int]) -> Iterator:
             for m in back: self.scheduler.submit(m)
             self.scheduler.run_until_idle()
 
+# %% ../nbs/11_llm.ipynb #3f22ae63
+@patch
+def default_params(self: LLM, **overrides) -> SamplingParams:
+    "The `SamplingParams` of a call that passes none: the model's recommended sampling, then `overrides`."
+    return SamplingParams(**{**self.sampling_defaults, **overrides})
+
 # %% ../nbs/11_llm.ipynb #4a381bc3
 def _as_list(x, kind) -> list:
     if isinstance(x, kind) or (isinstance(x, list) and x and isinstance(x[0], int)): return [x]
@@ -110,7 +118,7 @@ def generate(self: LLM, prompts: str | list[int] | list[str | list[int]],
     "Generate for each prompt (text or token ids); one `RequestOutput` per prompt, in order."
     prompts = _as_list(prompts, str)
     if not prompts: raise ValueError("prompts: must not be empty")
-    sps = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
+    sps = sampling_params if isinstance(sampling_params, list) else [sampling_params or self.default_params()] * len(prompts)
     if len(sps) != len(prompts): raise ValueError(f"sampling_params: got {len(sps)} for {len(prompts)} prompts")
     encoded = [self._encode(p) for p in prompts]
     groups = [self._submit(ids, sp) for ids, sp in zip(encoded, sps)]
@@ -145,14 +153,15 @@ def chat(self: LLM, messages: list[dict] | list[list[dict]], sampling_params: Sa
     "Answer one conversation (a list of messages) or several (a list of lists)."
     if not messages: raise ValueError("messages: must be a non-empty list of {'role': ..., 'content': ...} dicts")
     convs = [messages] if isinstance(messages[0], dict) else list(messages)
-    return self.generate([self.apply_chat_template(c) for c in convs], sampling_params, use_tqdm)
+    # an answer, as the server's chat endpoint gives: until the model ends its turn (or the context ends)
+    return self.generate([self.apply_chat_template(c) for c in convs], sampling_params or self.default_params(max_tokens=None), use_tqdm)
 
 # %% ../nbs/11_llm.ipynb #a428b2c2
 @patch
 def stream(self: LLM, prompt: str | list[int] | list[dict], sampling_params: SamplingParams | None = None) -> Iterator[str]:
     "Yield the text of one answer piece by piece (`prompt` may be a chat: a list of messages)."
     ids = self.apply_chat_template(prompt) if prompt and isinstance(prompt[0], dict) else self._encode(prompt)
-    sp = sampling_params or SamplingParams(max_tokens=None)    # an answer: up to the end of the context
+    sp = sampling_params or self.default_params(max_tokens=None)    # an answer: up to the end of the context
     if sp.n != 1: raise ValueError("sampling_params.n: stream() generates one choice")
     for t in self._drive(set(self._submit(ids, sp))):
         if t.text: yield t.text

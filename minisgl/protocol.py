@@ -223,12 +223,13 @@ def parse_request(raw: bytes | str | dict, cls: type[_SamplingRequest]) -> _Samp
         raise APIError(msg, param=param) from None
 
 # %% ../nbs/09_protocol.ipynb #79dc181d
-def to_sampling_params(req: _SamplingRequest) -> SamplingParams:
+def to_sampling_params(req: _SamplingRequest, defaults: dict | None = None) -> SamplingParams:
     "The scheduler's `SamplingParams` of `req` (its `n` choices in one), checked by `SamplingParams`; `APIError` names the field."
     kw: dict[str, Any] = dict(max_tokens=req.max_tokens, n=req.n, ignore_eos=req.ignore_eos, seed=req.seed,
                               stop=req.stop_list, stop_token_ids=list(req.stop_token_ids or []))
-    kw["temperature"] = 1.0 if req.temperature is None else req.temperature    # OpenAI's default
-    for name in ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+    kw["temperature"] = 1.0                          # OpenAI's default, when the model recommends none
+    kw.update(defaults or {})                        # the model's recommended sampling (`weights.sampling_defaults`)
+    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
         if getattr(req, name) is not None: kw[name] = getattr(req, name)
     chat = isinstance(req, ChatCompletionRequest)
     kw["logprobs"] = req.logprobs if chat else req.logprobs is not None

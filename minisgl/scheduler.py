@@ -23,7 +23,7 @@ from .messages import AbortMsg, TokenOutput, UserMsg
 logger = logging.getLogger('minisgl.scheduler')
 
 # %% auto #0
-__all__ = ['logger', 'SchedulerConfig', 'ModelRunner', 'ToyEngine', 'DecodeManager', 'PendingReq', 'PrefillAdder',
+__all__ = ['logger', 'Refusal', 'SchedulerConfig', 'ModelRunner', 'ToyEngine', 'DecodeManager', 'PendingReq', 'PrefillAdder',
            'PrefillManager', 'Scheduler']
 
 # %% ../nbs/02_scheduler.ipynb #738fa41b
@@ -35,12 +35,14 @@ class SchedulerConfig:
     cache: Literal['radix', 'naive'] = 'radix'
     overlap: bool = False             # process round N's results while round N+1 runs
     schedule_policy: Literal['prefill_first', 'mixed'] = 'prefill_first'   # the tutorial's, or mixed batches (below)
+    clip_max_tokens: bool = False     # shorten a max_tokens the context or pool cannot hold (mini-sglang's way) instead of refusing
 
     def __post_init__(self):
         check_int('max_running_reqs', self.max_running_reqs); check_int('prefill_budget', self.prefill_budget)
         check_choice('cache', self.cache, ('radix', 'naive'))
         check(isinstance(self.overlap, bool), 'overlap', f'must be True or False, got {self.overlap!r}')
         check_choice('schedule_policy', self.schedule_policy, ('prefill_first', 'mixed'))
+        check(isinstance(self.clip_max_tokens, bool), 'clip_max_tokens', f'must be True or False, got {self.clip_max_tokens!r}')
 
 # %% ../nbs/02_scheduler.ipynb #ef37690d
 class ModelRunner(Protocol):
@@ -114,6 +116,8 @@ class PendingReq:
     def output_len(self) -> int: return self.sampling_params.max_tokens
 
 # %% ../nbs/02_scheduler.ipynb #c359e08b
+Refusal = Literal['slot', 'budget', 'kv']   # the constraint that refused a request: request slot, token budget, KV estimate
+
 @dataclass
 class PrefillAdder:
     "Admits waiting requests into one prefill batch, within slots, token budget and KV estimate."
@@ -121,16 +125,20 @@ class PrefillAdder:
     reserved_size: int
     cache_manager: CacheManager
     table_manager: TableManager
+    refused_by: Refusal | None = None     # why the last `try_add_one` returned None
+
+    def _refuse(self, why: Refusal) -> None:
+        self.refused_by = why
 
     def _try_allocate_one(self, pending: PendingReq) -> tuple[CacheHandle, int] | None:
-        if self.table_manager.available_size == 0: return None                       # 1. request slot
+        if self.table_manager.available_size == 0: return self._refuse('slot')          # 1. request slot
         handle, _ = self.cache_manager.match_req(pending)
         estimated_len = self.cache_manager.slots_needed(handle.cached_len, pending.input_len + pending.output_len)
-        if estimated_len + self.reserved_size > self.cache_manager.available_size: return None   # 3. KV
+        if estimated_len + self.reserved_size > self.cache_manager.available_size: return self._refuse('kv')   # 3. KV
         self.cache_manager.lock(handle)
         if estimated_len + self.reserved_size > self.cache_manager.available_size:    # locked pages are no longer evictable
             self.cache_manager.unlock(handle)
-            return None
+            return self._refuse('kv')
         return handle, self.table_manager.allocate()
 
     def _add_one_req(self, pending: PendingReq, handle: CacheHandle, table_idx: int, cached_len: int) -> Req:
@@ -145,8 +153,9 @@ class PrefillAdder:
                    pending.sampling_params, handle)
 
     def try_add_one(self, pending: PendingReq) -> Req | None:
-        "The next chunk (or all) of `pending`'s prompt, or None if it does not fit this round."
-        if self.token_budget <= 0: return None                                         # 2. token budget
+        "The next chunk (or all) of `pending`'s prompt, or None if it does not fit this round (`refused_by` says why)."
+        self.refused_by = None
+        if self.token_budget <= 0: return self._refuse('budget')                       # 2. token budget
         if (chunk := pending.chunked_req) is not None:    # continue: same row, same pages
             self.cache_manager.cache_req(chunk, finished=False)   # share the computed prefix, lock it
             return self._add_one_req(pending, chunk.cache_handle, chunk.table_idx, chunk.cached_len)
@@ -164,6 +173,7 @@ class PrefillManager:
     pending_list: list[PendingReq] = field(default_factory=list)
     prefix_hit_tokens: int = 0      # prompt tokens found in the prefix cache, at each request's admission
     prompt_tokens: int = 0          # prompt tokens admitted (the hit rate's denominator)
+    refused: tuple[int, Refusal] | None = None   # last prefill round: (uid, constraint) of the request that stopped it
 
     def add_one_req(self, pending: PendingReq):
         "Queue `pending` behind everyone already waiting."
@@ -180,13 +190,15 @@ class PrefillManager:
 
     def schedule_next_batch(self, prefill_budget: int) -> Batch | None:
         "Admit waiting requests in order, up to the first that does not fit; a prefill batch, or None."
+        self.refused = None
         if not self.pending_list: return None
         adder = PrefillAdder(prefill_budget, self.decode_manager.inflight_tokens, self.cache_manager, self.table_manager)
         reqs: list[Req] = []
         chunked: list[PendingReq] = []
         for pending in self.pending_list:
             admitted = pending.chunked_req is None       # not the next chunk of a prompt already admitted
-            if (req := adder.try_add_one(pending)) is None: break      # head-of-line: no skipping ahead
+            if (req := adder.try_add_one(pending)) is None:                # head-of-line: no skipping ahead
+                self.refused = (pending.uid, adder.refused_by); break
             if admitted: self.prefix_hit_tokens += req.cached_len; self.prompt_tokens += pending.input_len
             pending.chunked_req = req if isinstance(req, ChunkedReq) else None
             if pending.chunked_req is not None: chunked.append(pending)
@@ -405,7 +417,7 @@ def _checked_params(self: Scheduler, msg: UserMsg) -> SamplingParams:
     "`msg`'s sampling parameters with `max_tokens` settled; a `ParamError` says why the request cannot run."
     sp, cm = msg.sampling_params, self.cache_manager
     max_tokens = check_prompt(msg.input_ids, sp.max_tokens, self.engine.vocab_size, self.engine.max_seq_len,   # chapter core
-                              kv_slots=cm.num_pages * cm.page_size, page_size=cm.page_size)
+                              kv_slots=cm.num_pages * cm.page_size, page_size=cm.page_size, clip=self.config.clip_max_tokens)
     check(not sp.stop or self.detokenize is not None, 'stop', "stop strings need a detokenize function")
     check(self._find_live(msg.uid) is None, 'uid', f"{msg.uid} is already running")
     return sp if max_tokens == sp.max_tokens else replace(sp, max_tokens=max_tokens)
@@ -515,7 +527,8 @@ def info(self: Scheduler) -> dict:
     e = self.engine
     return dict(vocab_size=int(e.vocab_size), max_seq_len=int(e.max_seq_len), eos_token_ids=list(e.eos_token_ids),
                 page_size=int(e.page_size), num_pages=int(e.num_pages),
-                max_running_reqs=self.config.max_running_reqs, prefill_budget=self.config.prefill_budget)
+                max_running_reqs=self.config.max_running_reqs, prefill_budget=self.config.prefill_budget,
+                clip_max_tokens=self.config.clip_max_tokens)
 
 @patch
 def stats(self: Scheduler, integrity: bool = False) -> dict:

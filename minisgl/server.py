@@ -12,6 +12,7 @@ import logging
 import multiprocessing as mp
 import os
 import shutil
+import socket
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from .cli import DEFAULT_HOST, DEFAULT_PORT, bind_listener
 from .core import SamplingParams, check, check_int, check_number, option, short
 from .engine import EngineArgs
 from .messages import (AbortReq, Accepted, ControlMsg, ControlReply, GenerateReq, IPCNames, Ready, Rejected, Stats,
@@ -81,8 +83,8 @@ class Metrics:
 @dataclass
 class ServerArgs(EngineArgs):
     "`EngineArgs` plus the HTTP server's own options."
-    host: str = option("127.0.0.1", "address to listen on")
-    port: int = option(1919, "port to listen on")
+    host: str = option(DEFAULT_HOST, "address to listen on")
+    port: int = option(DEFAULT_PORT, "port to listen on")
     max_queued_requests: int = option(256, "requests allowed to wait beyond --max-running-requests; more get HTTP 429", metavar='N')
     served_model_name: str | None = option(None, "model name in the API (default: from --model)", metavar='NAME')
     log_level: str = option("info", "log level of the server and its workers", choices=("debug", "info", "warning", "error"))
@@ -354,7 +356,8 @@ async def _generate(fe: Frontend, request: Request, kind: str):
         _check_key(fe, request)
         cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
         req = parse_request(await _read_body(fe, request), cls)
-        params = to_sampling_params(req)            # every sampling rule: SamplingParams' own checks
+        # every sampling rule: SamplingParams' own checks; what the request leaves out, the model's recommendation
+        params = to_sampling_params(req, fe.info.get("sampling_defaults"))
         if kind == "chat":
             msgs = [m.model_dump(exclude_none=True) for m in req.messages]
             uids, q, plens = await fe.submit(req, params, messages=msgs)
@@ -568,9 +571,12 @@ def make_server(args: ServerArgs, engine_factory: Callable[[], ModelRunner] | No
     return Server(config, fe)
 
 # %% ../nbs/12_server.ipynb #0bde7157
-def serve(args: ServerArgs, engine_factory: Callable[[], ModelRunner] | None = None) -> int:
+def serve(args: ServerArgs, engine_factory: Callable[[], ModelRunner] | None = None,
+          sock: socket.socket | None = None) -> int:
     "Run the server until SIGINT/SIGTERM; return an exit code (1 when a worker failed). `engine_factory`: see `Frontend`."
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    sock = sock or bind_listener(args.host, args.port)        # before the workers load the model
     server = make_server(args, engine_factory)
-    server.run()
+    try: server.run(sockets=[sock])
+    finally: sock.close()
     return 1 if server.fe.error else 0

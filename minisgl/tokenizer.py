@@ -130,7 +130,7 @@ class TokenizerWorker:
             for p in prompts:
                 i = self.info
                 max_tokens = check_prompt(p, msg.params.max_tokens, i["vocab_size"], i["max_seq_len"], default=msg.default_max_tokens,
-                                          kv_slots=i["num_pages"] * i["page_size"], page_size=i["page_size"])
+                                          kv_slots=i["num_pages"] * i["page_size"], page_size=i["page_size"], clip=i.get("clip_max_tokens", False))
                 params += replace(msg.params, max_tokens=max_tokens).choices()
         except ParamError as e:
             param = "messages" if msg.messages is not None and e.param == "prompt" else e.param

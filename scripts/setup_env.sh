@@ -41,8 +41,18 @@ fi
 
 ext_stamp=.venv/.minisgl-ext-$( (cat setup.py; find csrc -type f | sort | xargs cat 2>/dev/null) | sha1sum | cut -c1-12)
 if [ ! -f "$ext_stamp" ] || ! .venv/bin/python -c "import minisgl" 2>/dev/null; then
-  echo "[setup] building minisgl and its native extension (csrc/)"
-  "${PIP[@]}" install -q --no-build-isolation --no-deps -e .
+  echo "[setup] building minisgl and its native extension (csrc/: 7 files, about 2 minutes on 2 cores; full log in .venv/build.log)"
+  # pip -v lets ninja's progress through; each file is named as its compile starts
+  set +e
+  "${PIP[@]}" install -v --no-build-isolation --no-deps -e . 2>&1 | tee .venv/build.log |
+    sed -nuE 's#^ *\[([0-9]+)/([0-9]+)\] .* -c ([^ ]*/)?(csrc/[^ ]+\.(cpp|cu)) .*#[setup]   [\1/\2] compiling \4#p'
+  rc=${PIPESTATUS[0]}
+  set -e
+  if [ "$rc" -ne 0 ]; then
+    echo "[setup] the build failed (exit $rc); the end of .venv/build.log:" >&2
+    tail -n 40 .venv/build.log >&2
+    exit "$rc"
+  fi
   rm -f .venv/.minisgl-ext-* && touch "$ext_stamp"
 fi
 echo "[setup] ready: $(.venv/bin/python -c 'import torch, minisgl; print("minisgl", minisgl.__version__, "torch", torch.__version__)')"

@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -53,9 +54,36 @@ def test_bad_option_value():
     r = run("serve", "--page-size", "0")
     assert r.returncode == 2 and "page_size: must be an int >= 1" in r.stderr
     r = run("serve", "--model", "/nonexistent/model")
-    assert r.returncode == 2 and "model: no such file or directory" in r.stderr
+    assert r.returncode == 2 and "model: '/nonexistent/model' not found" in r.stderr
+    r = run("serve", "--sampling-defaults", '{"temperature": -1}')
+    assert r.returncode == 2 and "sampling_defaults: temperature: must be >= 0" in r.stderr
     r = run("serve", "--cache", "lru")
     assert r.returncode == 2 and "invalid choice: 'lru'" in r.stderr
+
+
+def _one_line_error(r, *wanted):
+    "A refusal before anything starts: exit status 2, one line on stderr, no traceback."
+    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    for w in wanted: assert w in lines[0], (w, lines[0])
+
+
+def test_model_directory_without_config(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    _one_line_error(run("serve", "--model", str(tmp_path)), "model:", "has no config.json")
+    (tmp_path / "config.json").write_text("{}"); (tmp_path / "model.safetensors").unlink()
+    _one_line_error(run("shell", "--model", str(tmp_path)), "has no *.safetensors")
+
+
+def test_busy_port_fails_before_the_workers_start():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0)); busy.listen()
+        t0 = time.monotonic()
+        r = run("serve", "--port", str(busy.getsockname()[1]))
+        took = time.monotonic() - t0
+    _one_line_error(r, "port:", "is not free")
+    assert "minisgl.engine" not in r.stderr and "kernel plan" not in r.stderr   # no model was loaded
+    print(f"busy port refused in {took:.2f} s (interpreter and imports included)")
 
 
 def test_shell_session():

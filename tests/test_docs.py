@@ -50,6 +50,7 @@ def _check_notebook(symbols) -> dict:
             "metadata": {"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"}},
             "cells": [md("# Docs check\n> A notebook written by tests/test_docs.py"),
                       md(f"## Links\n\nThe package defines {mention}."),
+                      md("## Math\n\nInline $x_i^2$ and a block:\n\n$$\\sum_i x_i$$"),
                       {"cell_type": "code", "metadata": {}, "execution_count": 1,
                        "source": f"print('{MARK}')\nshow_a_red_square()",
                        "outputs": [{"output_type": "stream", "name": "stdout", "text": f"{MARK}\n"},
@@ -99,6 +100,15 @@ def test_site_from_the_notebooks(tmp_path):
         if nb.stem != "index": assert _page_name(nb) in nav, f"{page.name} is not in the navigation"
     chapters = [_page_name(nb) for nb in notebooks if nb.stem != "index"] + ["zz_docs_check"]
     assert [n for n in nav if n in chapters] == chapters, nav
+    # the sidebar: Home first, then "01 · The KV cache: ..." (the number from the file name)
+    labels = re.findall(r'<li class="toctree-l1[^"]*"><a class="[^"]*reference internal" href="([^"]*)">([^<]*)</a>',
+                        index.split('class="sidebar-tree"')[1])
+    assert labels and labels[0] == ("#", "Home"), labels[:2]
+    for nb in notebooks:
+        num = re.match(r"^(\d+[a-z]?)_", nb.name)
+        if num:
+            label = next((t for h, t in labels if h == f"{_page_name(nb)}.html"), None)
+            assert label and label.startswith(f"{num[1]} · "), f"{nb.name}: sidebar entry {label!r}"
 
     check = (out / "zz_docs_check.html").read_text()
     # backticked names -> links to their show_doc heading on the chapter's page
@@ -109,6 +119,11 @@ def test_site_from_the_notebooks(tmp_path):
         assert f'id="{anchor}"' in (out / f"{page}.html").read_text(), f"{name}: {page}.html#{anchor} is missing"
     # stored outputs: printed text and the figure (written out as an image file)
     assert MARK in check
+    # math is shown as TeX, and no page loads anything from a CDN (MathJax, require.js, fonts)
+    assert '<span class="math notranslate">x_i^2</span>' in check, "inline math is not on the page"
+    for page in out.glob("*.html"):
+        ext = re.findall(r'<(?:script|link|img)\b[^>]*\b(?:src|href)="((?:https?:)?//[^"]+)"', page.read_text())
+        assert not ext, f"{page.name} loads {ext}"
     imgs = re.findall(r'<img[^>]+src="([^"]+)"', check)
     assert imgs and all((out / src).exists() for src in imgs), imgs
     # outputs stored in the real notebooks are on their pages too

@@ -106,3 +106,40 @@ def test_progress_bar(llm, capsys):
 def test_bad_input(llm, call, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
         call(llm)
+
+
+def test_left_out_sampling_is_the_models_recommendation_everywhere(server_and_llm):
+    "`LLM` without sampling params and a server request that leaves them out sample alike: as the model recommends."
+    from minisgl.weights import EMBEDDED_SAMPLING
+    server, llm = server_and_llm
+    assert llm.sampling_defaults == {k: v for k, v in EMBEDDED_SAMPLING.items() if k != "do_sample"} == {"temperature": 0.2, "top_p": 0.9}
+    client = openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+    differs = 0
+    for seed in (1, 2, 3):
+        offline = llm.generate([PROMPTS[2]], llm.default_params(max_tokens=12, seed=seed))[0].text
+        left_out = client.completions.create(model="default", prompt=PROMPTS[2], max_tokens=12, seed=seed).choices[0].text
+        given = client.completions.create(model="default", prompt=PROMPTS[2], max_tokens=12, seed=seed,
+                                          temperature=0.2, top_p=0.9).choices[0].text
+        hot = client.completions.create(model="default", prompt=PROMPTS[2], max_tokens=12, seed=seed,
+                                        temperature=1.0, top_p=1.0).choices[0].text
+        assert offline == left_out == given, (seed, offline, left_out, given)
+        differs += hot != left_out
+    assert differs, "OpenAI's temperature 1 samples otherwise: the left-out fields did take the model's values"
+
+
+def test_clip_max_tokens_shortens_instead_of_refusing():
+    "`clip_max_tokens=True` (mini-sglang's behaviour): a max_tokens past the context is cut to what it leaves."
+    from minisgl.scheduler import ToyEngine
+    toy = lambda: ToyEngine(num_pages=256, page_size=4, max_seq_len=32, vocab_size=64, eos_token_ids=[])
+    prompt, sp = list(range(1, 21)), SamplingParams(max_tokens=50, ignore_eos=True)
+    with pytest.raises(ValueError, match="prompt \\+ max_tokens must be <= context"):
+        LLM(engine=toy()).generate([prompt], sp)
+    llm = LLM(engine=toy(), clip_max_tokens=True)
+    out = llm.generate([prompt], sp)[0]
+    assert (len(out.token_ids), out.finish_reason) == (32 - 20, "length")
+    assert llm.info["clip_max_tokens"] is True
+    # the scheduler's own door (a direct submit, no tokenizer worker) clips the same way
+    from minisgl.messages import UserMsg
+    llm.scheduler.submit(UserMsg(999, prompt, sp))
+    outs = llm.scheduler.run_until_idle()[999]
+    assert len([o for o in outs if o.token_id is not None]) == 12 and outs[-1].finish_reason == "length"
