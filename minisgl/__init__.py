@@ -8,7 +8,7 @@ __all__ = []
 
 # %% ../nbs/index.ipynb #7822dccf
 def __getattr__(name: str):
-    "Import `LLM` on first use, so that `import minisgl` (and `minisgl --help`) does not load torch."
+    "Import `LLM` on first use, so that `import minisgl` stays light (it does not load torch)."
     if name == "LLM":
         from .llm import LLM
         return LLM
