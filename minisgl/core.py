@@ -84,6 +84,7 @@ class SamplingParams:
     n: int = 1                       # completions per prompt (split by `choices`, below)
     logprobs: bool = False
     top_logprobs: int = 0            # 0..20
+    constraint: Any = None           # a `grammar.Constraint` (JSON schema, regex, EBNF) the output must match
 
     def __post_init__(self):
         if isinstance(self.stop, str): self.stop = [self.stop]
@@ -104,6 +105,9 @@ class SamplingParams:
         check_int('n', self.n)
         check(isinstance(self.ignore_eos, bool) and isinstance(self.logprobs, bool), 'ignore_eos', 'ignore_eos and logprobs must be True or False')
         check_int('top_logprobs', self.top_logprobs, lo=0, hi=20)
+        if self.constraint is not None:   # chapter `grammar` owns what a valid one is (it checks itself when built)
+            from minisgl.grammar import Constraint
+            check(isinstance(self.constraint, Constraint), 'constraint', f'must be a grammar.Constraint, got {short(self.constraint)}')
 
     @property
     def is_greedy(self) -> bool:
@@ -225,6 +229,7 @@ class Batch:
     seq_lens: torch.Tensor | None = None     # [B] int32, device_len of each request
     extend_lens: torch.Tensor | None = None  # [B] int32, extend_len of each request
     page_table: torch.Tensor | None = None   # [max_running_reqs, max_seq_len] int32 slots
+    grammars: list | None = None             # [B] each request's grammar matcher or None (constrained output only)
 
     def __post_init__(self):
         check(self.phase in ('prefill', 'decode'), 'phase', f"must be 'prefill' or 'decode', got {self.phase!r}")
@@ -248,6 +253,7 @@ class ForwardOutput:
     logprobs: torch.Tensor | None = None       # [B] float32, logprob of the chosen token
     top_logprobs: tuple[torch.Tensor, torch.Tensor] | None = None  # ([B, K] ids, [B, K] logprobs)
     errors: dict[int, str] = field(default_factory=dict)          # row -> why that request's forward failed
+    grammar_ended: set[int] = field(default_factory=set)          # rows whose grammar is complete with this token
 
     def __post_init__(self):
         check(isinstance(self.next_tokens, torch.Tensor) and self.next_tokens.dim() == 1, 'next_tokens',

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 from fastcore.basics import patch
 
-from .core import Batch, ForwardOutput, SamplingParams, check, check_choice, check_int, option
+from .core import Batch, ChunkedReq, ForwardOutput, SamplingParams, check, check_choice, check_int, option
 from .kvcache import KVPool
 from .linear import (KERNELS, ROW_BUCKETS, KernelPlan, PackedLinear, can_pack_linears, kernel_plan, linear_specs,
                             pack_linears)
@@ -292,6 +292,28 @@ def _history(req, seq_len: int, last_token: int) -> torch.Tensor:
     ids = req.input_ids[:seq_len]
     return ids if len(ids) == seq_len else torch.cat([ids, torch.tensor([last_token], dtype=ids.dtype)])
 
+# %% ../nbs/08_engine.ipynb #c9e69096
+def _constrained_rows(batch: Batch) -> list[tuple[int, object]]:
+    "(row, matcher) for each row whose token must follow a grammar in this forward."
+    if not batch.grammars: return []
+    return [(i, m) for i, (r, m) in enumerate(zip(batch.reqs, batch.grammars))
+            if m is not None and not isinstance(r, ChunkedReq) and not m.is_terminated]
+
+def _mask_logits(logits: torch.Tensor, constrained: list[tuple[int, object]]) -> torch.Tensor:
+    "`logits` (as fp32) with each constrained row limited to the tokens its grammar allows next."
+    from minisgl.grammar import apply_masks
+    logits = logits.float()
+    apply_masks(logits, [i for i, _ in constrained], [m for _, m in constrained])
+    return logits
+
+def _advance_grammars(constrained: list[tuple[int, object]], out: ForwardOutput) -> None:
+    "Feed each constrained row's sampled token to its matcher; note the rows whose grammar is complete (or broken)."
+    picked = out.next_tokens.tolist()
+    for i, m in constrained:
+        if not m.accept(picked[i]):    # the mask allowed it, so this is a fault of ours: that request fails, alone
+            out.errors[i] = f"internal error: token {picked[i]} is not allowed by the request's grammar"
+        elif m.is_terminated: out.grammar_ended.add(i)
+
 # %% ../nbs/08_engine.ipynb #66f5fd5e
 @patch
 @torch.inference_mode()
@@ -303,14 +325,19 @@ def forward_batch(self: Engine, batch: Batch) -> ForwardOutput:
         logits = self.model(batch.input_ids, batch.positions, ctx, batch.extend_lens.cumsum(0) - 1)
     else:
         logits = self.model(batch.input_ids, batch.positions, ctx)
+    constrained = _constrained_rows(batch)
+    if constrained: logits = _mask_logits(logits, constrained)
     params = [r.sampling_params for r in batch.reqs]
     if all(_plain_greedy(p) for p in params):
-        return ForwardOutput(logits.argmax(-1).int())
-    sb = SamplingBatch.from_params(params, self.vocab_size, self.device)
-    seqs = prompt_lens = None
-    if sb.use_penalties:
-        last = batch.input_ids[batch.extend_lens.cumsum(0) - 1].tolist()
-        seqs = [_history(r, n, t) for r, n, t in zip(batch.reqs, batch.seq_lens.tolist(), last)]
-        prompt_lens = [r.prompt_len for r in batch.reqs]
-    out = sample(logits, sb, batch.seq_lens, seqs, prompt_lens)
-    return ForwardOutput(out.tokens.int(), out.logprobs, out.top_logprobs)
+        out = ForwardOutput(logits.argmax(-1).int())
+    else:
+        sb = SamplingBatch.from_params(params, self.vocab_size, self.device)
+        seqs = prompt_lens = None
+        if sb.use_penalties:
+            last = batch.input_ids[batch.extend_lens.cumsum(0) - 1].tolist()
+            seqs = [_history(r, n, t) for r, n, t in zip(batch.reqs, batch.seq_lens.tolist(), last)]
+            prompt_lens = [r.prompt_len for r in batch.reqs]
+        s = sample(logits, sb, batch.seq_lens, seqs, prompt_lens)
+        out = ForwardOutput(s.tokens.int(), s.logprobs, s.top_logprobs)
+    if constrained: _advance_grammars(constrained, out)
+    return out

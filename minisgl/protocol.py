@@ -32,7 +32,7 @@ class APIError(Exception):
 
 # %% ../nbs/09_protocol.ipynb #909340b9
 UNSUPPORTED_FIELDS = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
-                      "response_format", "logit_bias", "audio", "modalities", "prediction",
+                      "logit_bias", "audio", "modalities", "prediction",
                       "web_search_options", "reasoning_effort", "suffix", "echo", "best_of")
 IGNORED_FIELDS = ("user", "metadata", "store", "service_tier")
 
@@ -79,6 +79,9 @@ class _SamplingRequest(BaseModel):
     n: int = 1
     stream: bool = False
     stream_options: dict | None = None
+    response_format: dict | None = None     # OpenAI's: text, json_object, or json_schema (below)
+    regex: str | None = None                # SGLang's extras (through the client's extra_body): the output matches it
+    ebnf: str | None = None                 # ... or this grammar
     default_max_tokens: ClassVar[int | None] = None   # for an unset max_tokens: None is the rest of the context
 
     @model_validator(mode="before")
@@ -234,7 +237,11 @@ def to_sampling_params(req: _SamplingRequest, defaults: dict | None = None) -> S
     chat = isinstance(req, ChatCompletionRequest)
     kw["logprobs"] = req.logprobs if chat else req.logprobs is not None
     kw["top_logprobs"] = req.num_top_logprobs
-    try: return SamplingParams(**kw)
+    try:
+        if req.response_format is not None or req.regex is not None or req.ebnf is not None:
+            from minisgl.grammar import request_constraint       # chapter `grammar` (xgrammar loads in seconds: only when asked)
+            kw["constraint"] = request_constraint(req.response_format, req.regex, req.ebnf)
+        return SamplingParams(**kw)
     except ParamError as e:
         param = "logprobs" if e.param == "top_logprobs" and not chat else e.param   # a completion's name for it
         raise APIError(str(e), param=param) from None

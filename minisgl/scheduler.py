@@ -8,9 +8,9 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
-from typing import Callable, Literal, Protocol
+from typing import Any, Callable, Literal, Protocol
 
 import torch
 from fastcore.basics import patch
@@ -228,6 +228,10 @@ class Scheduler:
         self._inflight: tuple[Batch, Future] | None = None   # overlap: the batch launched and not yet processed
         self._deferred_rows: list[int] = []                   # freed rows the in-flight batch may still write
         self._stop = threading.Event()
+        # constrained output (chapter `grammar`): requests whose grammar is compiling, and each running one's matcher
+        self.grammar_waiting: list[tuple[PendingReq, Future]] = []
+        self.matchers: dict[int, Any] = {}
+        self._grammars = None                                   # a GrammarCache, made at the first constrained request
 
     def submit(self, msg: UserMsg | AbortMsg):
         "Put a message in the default inbox (what `recv_fn` reads unless one was given)."
@@ -245,7 +249,7 @@ class Scheduler:
     @property
     def is_idle(self) -> bool:
         "Nothing waiting, running or in flight."
-        return not (self.prefill_manager.runnable or self.decode_manager.runnable or self._inflight)
+        return not (self.prefill_manager.runnable or self.decode_manager.runnable or self._inflight or self.grammar_waiting)
 
     def close(self):
         "Stop the engine thread of the overlap loop (a no-op otherwise)."
@@ -261,8 +265,9 @@ def _schedule_next_batch(self: Scheduler) -> Batch | None:
 
 @patch
 def _normal_round(self: Scheduler) -> list[TokenOutput]:
-    blocking = not (self.prefill_manager.runnable or self.decode_manager.runnable)
-    outputs = [o for msg in self.recv_fn(blocking) for o in self._process_one_msg(msg)]
+    # a request waiting for its grammar is work too: a blocking receive would sleep through its compile
+    blocking = not (self.prefill_manager.runnable or self.decode_manager.runnable or self.grammar_waiting)
+    outputs = [o for msg in self.recv_fn(blocking) for o in self._process_one_msg(msg)] + self._admit_compiled()
     batch = self._schedule_next_batch()
     ongoing = (batch, self._forward(batch)) if batch is not None else None
     return outputs + self._process_last_data(ongoing)
@@ -282,6 +287,7 @@ def _prepare_batch(self: Scheduler, batch: Batch) -> Batch:
     batch.seq_lens = torch.tensor([r.device_len for r in batch.reqs], dtype=torch.int32, device=dev)
     batch.extend_lens = extend.to(dev, torch.int32)
     batch.page_table = page_table
+    if self.matchers: batch.grammars = [self.matchers.get(r.uid) for r in batch.reqs]   # the engine masks those rows
     return batch
 
 # %% ../nbs/02_scheduler.ipynb #2e15e764
@@ -314,15 +320,17 @@ def _forward_each(self: Scheduler, batch: Batch, error: Exception) -> ForwardOut
     logger.warning("a forward of %d requests failed (%s: %s); running them one by one", len(batch.reqs), type(error).__name__, error)
     ends = batch.extend_lens.long().cumsum(0).tolist()
     tokens = torch.zeros(len(batch.reqs), dtype=torch.int32, device=batch.seq_lens.device)
-    outs, errors = {}, {}
+    outs, errors, ended = {}, {}, set()
     for i, (req, a, b) in enumerate(zip(batch.reqs, [0] + ends[:-1], ends)):
         one = Batch([req], 'prefill', input_ids=batch.input_ids[a:b], positions=batch.positions[a:b], out_loc=batch.out_loc[a:b],
                     table_idx=batch.table_idx[i:i + 1], seq_lens=batch.seq_lens[i:i + 1],
-                    extend_lens=batch.extend_lens[i:i + 1], page_table=batch.page_table)
+                    extend_lens=batch.extend_lens[i:i + 1], page_table=batch.page_table,
+                    grammars=batch.grammars[i:i + 1] if batch.grammars else None)
         try: outs[i] = out = self.engine.forward_batch(one)
         except Exception as e:
             errors[i] = f"internal error while running the request: {type(e).__name__}: {str(e)[:200]}"; continue
         tokens[i] = out.next_tokens[0]
+        if out.grammar_ended: ended.add(i)
     lps = {i: o.logprobs[0] for i, o in outs.items() if o.logprobs is not None}
     logprobs = None
     if lps:    # NaN for the rows that failed or asked for none
@@ -335,7 +343,7 @@ def _forward_each(self: Scheduler, batch: Batch, error: Exception) -> ForwardOut
         ids, vals = torch.zeros(len(batch.reqs), K, dtype=torch.long), torch.full((len(batch.reqs), K), float('-inf'))
         for i, (ti, tv) in tops.items(): ids[i, :ti.shape[1]], vals[i, :tv.shape[1]] = ti[0].cpu(), tv[0].cpu()
         top = (ids, vals)
-    return ForwardOutput(tokens, logprobs, top, errors)
+    return ForwardOutput(tokens, logprobs, top, errors, ended)
 
 # %% ../nbs/02_scheduler.ipynb #29cfef70
 @patch
@@ -381,7 +389,7 @@ def _process_last_data(self: Scheduler, ongoing: tuple[Batch, ForwardOutput | Fu
             continue
         if isinstance(req, ChunkedReq) or req.finish_reason is not None: continue
         req.append_host(tokens[i])
-        reason, text = self._finish_reason(req, tokens[i])
+        reason, text = ('stop', None) if i in output.grammar_ended else self._finish_reason(req, tokens[i])
         outputs.append(TokenOutput(req.uid, tokens[i], reason is not None, reason, text=text, **self._logprobs(output, i, req)))
         if reason is not None:
             req.finish_reason = reason
@@ -402,6 +410,7 @@ def _logprobs(self: Scheduler, output: ForwardOutput, i: int, req: Req) -> dict:
 @patch
 def _free_req_resources(self: Scheduler, req: Req):
     if req.cache_handle is None: raise RuntimeError(f"request {req.uid}: resources freed twice")
+    self.matchers.pop(req.uid, None)
     self.cache_manager.cache_req(req, finished=True)
     if self._inflight is not None: self._deferred_rows.append(req.table_idx)
     else: self.table_manager.free(req.table_idx)
@@ -425,7 +434,7 @@ def _checked_params(self: Scheduler, msg: UserMsg) -> SamplingParams:
 @patch
 def _find_live(self: Scheduler, uid: int) -> Req | PendingReq | None:
     "Where request `uid` is: the queue, the running set, or the batch in flight."
-    candidates = [*self.prefill_manager.pending_list, *self.decode_manager.running_reqs,
+    candidates = [*self.prefill_manager.pending_list, *(p for p, _ in self.grammar_waiting), *self.decode_manager.running_reqs,
                   *(r for r in (self._inflight[0].reqs if self._inflight else ()) if not isinstance(r, ChunkedReq) and r.finish_reason is None)]
     return next((c for c in candidates if c.uid == uid), None)
 
@@ -434,10 +443,13 @@ def _find_live(self: Scheduler, uid: int) -> Req | PendingReq | None:
 def _process_one_msg(self: Scheduler, msg: UserMsg | AbortMsg) -> list[TokenOutput]:
     if isinstance(msg, AbortMsg): return self._abort(msg.uid)
     if not isinstance(msg, UserMsg): raise TypeError(f"msg: expected UserMsg or AbortMsg, got {type(msg).__name__}")
-    try: sp = self._checked_params(msg)
+    try:
+        sp = self._checked_params(msg)
+        grammar = self._compile(sp.constraint) if sp.constraint is not None else None
     except ParamError as e: return [TokenOutput(msg.uid, None, True, 'error', error=str(e))]
     ids = torch.as_tensor(msg.input_ids).to('cpu', torch.int32)      # checked: 1-D, ids in the vocabulary
-    self.prefill_manager.add_one_req(PendingReq(msg.uid, ids, sp))
+    if grammar is None: self.prefill_manager.add_one_req(PendingReq(msg.uid, ids, sp))
+    else: self.grammar_waiting.append((PendingReq(msg.uid, ids, sp), grammar))   # queued once compiled
     return []
 
 @patch
@@ -445,14 +457,44 @@ def _abort(self: Scheduler, uid: int, reason: str = 'abort', error: str | None =
     "End request `uid` wherever it is (queue, running set, batch in flight) and free what it holds."
     found = self._find_live(uid)
     if found is None: return []             # unknown, or already finished
+    self.matchers.pop(uid, None)
     if isinstance(found, PendingReq):
         self.prefill_manager.remove(uid)
+        self.grammar_waiting = [(p, f) for p, f in self.grammar_waiting if p.uid != uid]
         found = found.chunked_req           # a partly computed prompt holds a row and pages
     if found is not None:
         found.finish_reason = reason
         self.decode_manager.remove_req(found)
         self._free_req_resources(found)
     return [TokenOutput(uid, None, True, reason, error=error, internal=error is not None)]
+
+# %% ../nbs/02_scheduler.ipynb #d31a18e8
+@patch
+def _compile(self: Scheduler, constraint) -> Future:
+    "Start compiling `constraint` for the engine's tokenizer on the grammar cache's threads; the future's result is the grammar."
+    if self._grammars is None:
+        tokenizer = getattr(self.engine, 'tokenizer', None)      # `Engine` has one; a toy engine has none
+        check(tokenizer is not None, 'constraint', 'constrained output needs an engine with a tokenizer')
+        from minisgl.grammar import GrammarCache
+        self._grammars = GrammarCache(tokenizer, self.engine.vocab_size, self.engine.eos_token_ids)
+    return self._grammars.submit(constraint)
+
+@patch
+def _admit_compiled(self: Scheduler) -> list[TokenOutput]:
+    "Queue the waiting requests whose grammar has compiled, each with its own matcher; fail those whose compile failed."
+    if not self.grammar_waiting: return []
+    if not (self.prefill_manager.runnable or self.decode_manager.runnable or self._inflight):
+        wait([f for _, f in self.grammar_waiting], timeout=0.01, return_when=FIRST_COMPLETED)   # nothing else to do: no spinning
+    from minisgl.grammar import RequestMatcher
+    outputs, still = [], []
+    for pending, compiling in self.grammar_waiting:
+        if not compiling.done(): still.append((pending, compiling)); continue
+        try: self.matchers[pending.uid] = RequestMatcher(compiling.result())
+        except Exception as e:   # a ParamError is the request's fault (a 400); anything else ours
+            outputs.append(TokenOutput(pending.uid, None, True, 'error', error=str(e), internal=not isinstance(e, ParamError))); continue
+        self.prefill_manager.add_one_req(pending)
+    self.grammar_waiting = still
+    return outputs
 
 # %% ../nbs/02_scheduler.ipynb #aec64b44
 @patch
@@ -486,8 +528,8 @@ def stop(self: Scheduler):
 @patch
 def _overlap_round(self: Scheduler) -> list[TokenOutput]:
     last = self._inflight
-    blocking = not (last or self.prefill_manager.runnable or self.decode_manager.runnable)
-    outputs = [o for msg in self.recv_fn(blocking) for o in self._process_one_msg(msg)]
+    blocking = not (last or self.prefill_manager.runnable or self.decode_manager.runnable or self.grammar_waiting)
+    outputs = [o for msg in self.recv_fn(blocking) for o in self._process_one_msg(msg)] + self._admit_compiled()
     batch = self._schedule_next_batch()
     self._inflight = (batch, self._forward(batch)) if batch is not None else None
     return outputs + self._process_last_data(last)
@@ -519,6 +561,8 @@ def check_integrity(self: Scheduler):
     rows = self.table_manager.free_rows + self._deferred_rows + [r.table_idx for r in live]
     assert sorted(rows) == list(range(self.table_manager.max_running_reqs)), f"table rows: free/deferred/live = {rows}"
     assert set(self.cache_manager.owned) == {r.table_idx for r in live}, "a row owns pages but runs nothing"
+    waiting = {p.uid for p in self.prefill_manager.pending_list}
+    assert set(self.matchers) <= {r.uid for r in live} | waiting, f"grammar matchers of finished requests: {sorted(set(self.matchers) - waiting)}"
 
 # %% ../nbs/02_scheduler.ipynb #747ffe3a
 @patch(as_prop=True)
@@ -537,7 +581,8 @@ def stats(self: Scheduler, integrity: bool = False) -> dict:
     s = dict(running=len(self.decode_manager.running_reqs), queued=len(pm.pending_list), pages_total=cm.num_pages,
              pages_free=cm.num_free_pages, pages_cached=cm.num_cached_pages, pages_owned=cm.num_owned_pages,
              pages_used=cm.num_pages - cm.num_free_pages,
-             prefix_hit_tokens=pm.prefix_hit_tokens, prefix_query_tokens=pm.prompt_tokens)
+             prefix_hit_tokens=pm.prefix_hit_tokens, prefix_query_tokens=pm.prompt_tokens,
+             grammars_compiling=len(self.grammar_waiting), grammar_matchers=len(self.matchers))
     if integrity:
         try: self.check_integrity(); s['integrity'] = 'ok'
         except AssertionError as e: s['integrity'] = f'broken: {e}'
