@@ -55,8 +55,6 @@ class LLM:
         self.args = EngineArgs(model=model, **engine_args)
         self.engine = engine or Engine(self.args)
         self.tokenizer = self.engine.tokenizer if isinstance(self.engine, Engine) else load_tokenizer(self.args.model)
-        # a call without sampling params gets what the model recommends, as a server request that omits them does
-        self.sampling_defaults = self.engine.sampling_defaults if isinstance(self.engine, Engine) else {}
         detok = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)
         # outputs are consumed from step()'s return value; the default send_fn would keep them all
         self.scheduler = Scheduler(self.engine, self.args.scheduler_config(self.engine), send_fn=lambda outputs: None,
@@ -103,7 +101,7 @@ def _drive(self: LLM, uids: set[int]) -> Iterator:
 @patch
 def default_params(self: LLM, **overrides) -> SamplingParams:
     "The `SamplingParams` of a call that passes none: the model's recommended sampling, then `overrides`."
-    return SamplingParams(**{**self.sampling_defaults, **overrides})
+    return SamplingParams(**{**self.info['sampling_defaults'], **overrides})   # what a server request that omits them gets
 
 # %% ../nbs/11_llm.ipynb #4a381bc3
 def _as_list(x, kind) -> list:

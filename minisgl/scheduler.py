@@ -567,12 +567,13 @@ def check_integrity(self: Scheduler):
 # %% ../nbs/02_scheduler.ipynb #747ffe3a
 @patch(as_prop=True)
 def info(self: Scheduler) -> dict:
-    "The limits a front end checks requests against: the model's vocabulary and context, the scheduler's slots and budget."
+    "What a front end needs: the limits it checks requests against (vocabulary, context, slots, budget) and the sampling a request that leaves it out gets."
     e = self.engine
     return dict(vocab_size=int(e.vocab_size), max_seq_len=int(e.max_seq_len), eos_token_ids=list(e.eos_token_ids),
                 page_size=int(e.page_size), num_pages=int(e.num_pages),
                 max_running_reqs=self.config.max_running_reqs, prefill_budget=self.config.prefill_budget,
-                clip_max_tokens=self.config.clip_max_tokens)
+                clip_max_tokens=self.config.clip_max_tokens,
+                sampling_defaults=dict(getattr(e, 'sampling_defaults', {})))   # `Engine` reads the model's; a toy recommends none
 
 @patch
 def stats(self: Scheduler, integrity: bool = False) -> dict:

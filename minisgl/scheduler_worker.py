@@ -84,9 +84,7 @@ def run_scheduler_worker(names: IPCNames, args: EngineArgs, log_level: str = "in
         io = SchedulerIO(inbox, outbox.send_pyobj, parent)
         sched = io.sched = Scheduler(engine, config, recv_fn=io.recv_fn, send_fn=io.send_fn,
                                      detokenize=lambda ids: tok.decode(ids, skip_special_tokens=True))
-        # the sampling the model recommends travels with the limits: the API process applies it to requests
-        defaults = engine.sampling_defaults if isinstance(engine, Engine) else {}
-        outbox.send_pyobj(Ready({**sched.info, "sampling_defaults": defaults}))
+        outbox.send_pyobj(Ready(sched.info))     # the limits, and the sampling the model recommends
         io.push_stats(force=True)
         try: (sched.overlap_loop if config.overlap else sched.normal_loop)()
         finally: sched.close()

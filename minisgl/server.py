@@ -357,7 +357,7 @@ async def _generate(fe: Frontend, request: Request, kind: str):
         cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
         req = parse_request(await _read_body(fe, request), cls)
         # every sampling rule: SamplingParams' own checks; what the request leaves out, the model's recommendation
-        params = to_sampling_params(req, fe.info.get("sampling_defaults"))
+        params = to_sampling_params(req, fe.info["sampling_defaults"])
         if kind == "chat":
             msgs = [m.model_dump(exclude_none=True) for m in req.messages]
             uids, q, plens = await fe.submit(req, params, messages=msgs)

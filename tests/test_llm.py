@@ -112,7 +112,7 @@ def test_left_out_sampling_is_the_models_recommendation_everywhere(server_and_ll
     "`LLM` without sampling params and a server request that leaves them out sample alike: as the model recommends."
     from minisgl.weights import EMBEDDED_SAMPLING
     server, llm = server_and_llm
-    assert llm.sampling_defaults == {k: v for k, v in EMBEDDED_SAMPLING.items() if k != "do_sample"} == {"temperature": 0.2, "top_p": 0.9}
+    assert llm.info["sampling_defaults"] == {k: v for k, v in EMBEDDED_SAMPLING.items() if k != "do_sample"} == {"temperature": 0.2, "top_p": 0.9}
     client = openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=120)
     differs = 0
     for seed in (1, 2, 3):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import re
+import time
 
 import httpx
 import jsonschema
@@ -101,7 +102,7 @@ def test_aborted_constrained_stream_frees_its_matcher(server):
     for _ in range(100):
         s = httpx.get(server.base + "/debug/scheduler", timeout=10).json()
         if s["running"] == 0 and s["grammar_matchers"] == 0: break
-        import time; time.sleep(0.1)
+        time.sleep(0.1)
     assert (s["grammar_matchers"], s["grammars_compiling"], s["integrity"]) == (0, 0, "ok"), s
 
 
