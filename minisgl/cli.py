@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 import socket
 import sys
@@ -36,8 +37,10 @@ def _bind_early(argv: list[str]) -> socket.socket | None:
     if not argv or argv[0] != "serve" or {"-h", "--help"} & set(argv): return None
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--host", default=DEFAULT_HOST); pre.add_argument("--port", default=str(DEFAULT_PORT))
+    pre.add_argument("--node-rank", default="0")
     known, _ = pre.parse_known_args(argv[1:])
     if not known.port.isdigit(): return None             # the real parser says what is wrong with it
+    if known.node_rank != "0": return None               # a machine that runs ranks only listens on no port
     return bind_listener(known.host, int(known.port))
 
 # %% ../nbs/13_cli.ipynb #8a946226
@@ -177,6 +180,11 @@ def main(argv: list[str] | None = None) -> int:
         if ns.command == "serve":
             from minisgl.server import ServerArgs, serve
             args = args_from(ns, ServerArgs)
+            if args.node_rank > 0:                      # a machine of --nnodes that only runs ranks: no HTTP
+                if sock: sock.close()
+                from minisgl.tp import serve_ranks
+                logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+                return serve_ranks(args, args.log_level)
             if sock is not None and sock.getsockname()[1] != args.port: sock.close(); sock = None   # a spelling the pre-reading missed
             return serve(args, sock=sock)
         from minisgl.engine import EngineArgs
@@ -186,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
         llm = LLM(**dataclasses.asdict(args))
         given = {k: getattr(ns, k) for k in ("temperature", "top_p") if getattr(ns, k) is not None}
         sp = llm.default_params(max_tokens=ns.max_tokens, seed=ns.seed, **given)   # the flags given, else the model's
-        run_shell(llm, sp, ns.system)
+        try: run_shell(llm, sp, ns.system)
+        finally: llm.close()                        # --tp N: its ranks exit with it
         return 0
     except (ValueError, FileNotFoundError) as e:
         if sock: sock.close()

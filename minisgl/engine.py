@@ -57,6 +57,16 @@ class EngineConfig:
                                              "(the embedded model's: temperature 0.2, top-p 0.9, from its model card), none keeps the "
                                              "entry point's own, a JSON object is laid over the model's, e.g. '{\"temperature\": 0.7}'",
                                     metavar='SPEC')
+    tp_size: int = option(1, "tensor-parallel ranks: the model's heads, MLP and vocabulary split over N processes "
+                             "(torch.distributed: gloo on CPU, NCCL on GPUs)", flags=('--tp', '--tp-size'), metavar='N')
+    nnodes: int = option(1, "machines the --tp ranks span; each runs the same command with its own --node-rank", metavar='N')
+    node_rank: int = option(0, "this machine's place among --nnodes: 0 serves, the others run their ranks only", metavar='I')
+    dist_init_addr: str | None = option(None, "HOST:PORT where the ranks meet (torch.distributed's TCP store; "
+                                              "default: a free port on 127.0.0.1, one machine only)", metavar='HOST:PORT')
+    tp_allreduce: str = option('auto', "tensor-parallel collectives: auto goes through shared memory when all ranks are on "
+                                       "this machine's CPU, backend keeps gloo (NCCL on GPUs)", choices=('auto', 'shm', 'backend'))
+    dist_timeout: float = option(120.0, "seconds a rank waits for the others inside a forward; past it the server stops "
+                                        "with an error", metavar='S')
 
     def __post_init__(self):
         check(self.dtype == 'auto' or self.dtype in _DTYPES, 'dtype', f'must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}')
@@ -72,6 +82,18 @@ class EngineConfig:
         check(not isinstance(self.kernel_layouts, bool), 'kernel_layouts', 'must be 1, 2 or 3')
         check_choice('attention_backend', self.attention_backend, (None, 'cpu', 'cuda', 'triton', 'torch'))
         sampling_defaults(None, self.sampling_defaults)      # its shape now; the model's values when it loads
+        check_int('tp_size', self.tp_size); check_int('nnodes', self.nnodes)
+        check(self.tp_size % self.nnodes == 0, 'nnodes', f'must divide --tp {self.tp_size} (ranks per machine), got {self.nnodes}')
+        check(isinstance(self.node_rank, int) and 0 <= self.node_rank < self.nnodes, 'node_rank',
+              f'must be in [0, {self.nnodes - 1}], got {self.node_rank!r}')
+        addr = self.dist_init_addr
+        host, _, port = addr.rpartition(':') if isinstance(addr, str) else ('', '', '')
+        check(addr is None or (host and port.isdigit() and 0 < int(port) < 65536), 'dist_init_addr', f'must be HOST:PORT, got {addr!r}')
+        check(self.nnodes == 1 or addr is not None, 'dist_init_addr', f'is needed with --nnodes {self.nnodes}: '
+              'the address of node 0, where the ranks meet')
+        check_choice('tp_allreduce', self.tp_allreduce, ('auto', 'shm', 'backend'))
+        check(self.tp_allreduce != 'shm' or self.nnodes == 1, 'tp_allreduce', 'shm needs every rank on one machine (--nnodes 1)')
+        check(isinstance(self.dist_timeout, (int, float)) and self.dist_timeout > 0, 'dist_timeout', f'must be > 0, got {self.dist_timeout!r}')
 
 # %% ../nbs/08_engine.ipynb #bf82b302
 def _resolve_device(device: str) -> torch.device:
@@ -104,13 +126,17 @@ def free_memory(device: torch.device) -> int:
 # %% ../nbs/08_engine.ipynb #9e7e0d36
 class Engine:
     "A model, its KV pool and a sampler behind the scheduler's `ModelRunner` interface."
+    tp = None      # one device; a `TPEngine` (chapter tensor_parallel) holds its rank's `TPGroup` here
+
     def __init__(self, config: EngineConfig | None = None, progress: bool = True):
         self.config = config = config or EngineConfig()
+        check(config.tp_size == 1 or self.tp is not None, 'tp_size', f'{config.tp_size} ranks need a `TPEngine` per rank '
+              '(`make_engine` builds the right one)')
         if config.num_threads: torch.set_num_threads(config.num_threads)
         self.device = _resolve_device(config.device)
         self.dtype = _resolve_dtype(config.dtype, self.device)
         self.model_dir = resolve_model(config.model, progress=progress)
-        self.model: CausalLM = load_model(self.model_dir, self.dtype, self.device, config.max_seq_len)
+        self.model: CausalLM = self._load_model()
         cfg = self.model.cfg
         self.max_seq_len = self.model.max_seq_len
         self.page_size = config.page_size
@@ -131,10 +157,20 @@ class Engine:
 
 # %% ../nbs/08_engine.ipynb #84b007d0
 @patch
+def _load_model(self: Engine) -> CausalLM:
+    "The model with all its weights (a `TPEngine` loads its rank's slice)."
+    return load_model(self.model_dir, self.dtype, self.device, self.config.max_seq_len)
+
+@patch
+def _kv_bytes_per_page(self: Engine) -> int:
+    "Bytes of one KV page: K and V of `page_size` tokens in every layer (a `TPEngine` counts all ranks')."
+    cfg = self.model.cfg
+    return 2 * cfg.num_layers * self.page_size * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
+
+@patch
 def _pages_that_fit(self: Engine) -> int:
     "KV pages to allocate when `num_pages` is not given: `kv_memory_gb` GiB, else what `mem_fraction` of free memory holds."
-    cfg = self.model.cfg
-    per_page = 2 * cfg.num_layers * self.page_size * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize   # K and V, every layer
+    per_page = self._kv_bytes_per_page()
     if (gb := self.config.kv_memory_gb) is not None:
         check(int(gb * 2**30) >= per_page, 'kv_memory_gb', f'{gb} GiB holds no KV page of {per_page} bytes')
         return int(gb * 2**30) // per_page
@@ -147,6 +183,10 @@ def _pages_that_fit(self: Engine) -> int:
                          f'{self.page_size} tokens, less than one full context ({self.max_seq_len} tokens); '
                          f'raise mem_fraction or lower max_seq_len')
     return n
+
+@patch
+def close(self: Engine) -> None:
+    "Release what the engine holds beyond memory (nothing on one device; a `TPEngine` stops its ranks)."
 
 @patch
 def __repr__(self: Engine):
@@ -314,17 +354,21 @@ def _advance_grammars(constrained: list[tuple[int, object]], out: ForwardOutput)
             out.errors[i] = f"internal error: token {picked[i]} is not allowed by the request's grammar"
         elif m.is_terminated: out.grammar_ended.add(i)
 
+# %% ../nbs/08_engine.ipynb #b2a3a4ec
+@patch
+def _logits(self: Engine, batch: Batch) -> torch.Tensor:
+    "The model over `batch`: logits `[B, vocab]` of each request's last computed token."
+    ctx = ForwardContext(batch.is_prefill, batch.out_loc, batch.page_table, batch.table_idx, batch.seq_lens,
+                         batch.extend_lens, self.kv_caches, self.backend, tp=self.tp)
+    last = batch.extend_lens.cumsum(0) - 1 if batch.is_prefill else None
+    return self.model(batch.input_ids, batch.positions, ctx, last)
+
 # %% ../nbs/08_engine.ipynb #66f5fd5e
 @patch
 @torch.inference_mode()
 def forward_batch(self: Engine, batch: Batch) -> ForwardOutput:
     "Run the model on `batch` (K/V stored at `batch.out_loc`) and sample one token per request."
-    ctx = ForwardContext(batch.is_prefill, batch.out_loc, batch.page_table, batch.table_idx, batch.seq_lens,
-                         batch.extend_lens, self.kv_caches, self.backend)
-    if batch.is_prefill:
-        logits = self.model(batch.input_ids, batch.positions, ctx, batch.extend_lens.cumsum(0) - 1)
-    else:
-        logits = self.model(batch.input_ids, batch.positions, ctx)
+    logits = self._logits(batch)
     constrained = _constrained_rows(batch)
     if constrained: logits = _mask_logits(logits, constrained)
     params = [r.sampling_params for r in batch.reqs]

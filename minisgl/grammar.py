@@ -16,13 +16,15 @@ from torch import Tensor
 from .core import ParamError, check, check_text, short
 
 # %% auto #0
-__all__ = ['CONSTRAINT_KINDS', 'MAX_SPEC_CHARS', 'MAX_JSON_DEPTH', 'constraint_grammar', 'check_constraint', 'Constraint',
-           'request_constraint', 'GrammarCache', 'token_bitmask', 'allowed_tokens', 'RequestMatcher', 'bitmask_buffer',
-           'apply_masks']
+__all__ = ['CONSTRAINT_KINDS', 'MAX_SPEC_CHARS', 'MAX_JSON_DEPTH', 'TOOL_CALL_BEGIN', 'TOOL_CALL_END', 'constraint_grammar',
+           'check_constraint', 'Constraint', 'request_constraint', 'GrammarCache', 'token_bitmask', 'allowed_tokens',
+           'RequestMatcher', 'bitmask_buffer', 'apply_masks', 'tool_parameters', 'check_tools', 'tool_call_constraint',
+           'ToolCall', 'ToolCallParser', 'parse_tool_calls']
 
 # %% ../nbs/07b_grammar.ipynb #5b16e870
-CONSTRAINT_KINDS = ('json_object', 'json_schema', 'regex', 'ebnf')
-_PARAM = {'json_object': 'response_format', 'json_schema': 'response_format', 'regex': 'regex', 'ebnf': 'ebnf'}
+CONSTRAINT_KINDS = ('json_object', 'json_schema', 'regex', 'ebnf', 'structural_tag')
+_PARAM = {'json_object': 'response_format', 'json_schema': 'response_format', 'regex': 'regex', 'ebnf': 'ebnf',
+          'structural_tag': 'tool_choice'}   # (a forced tool call: section "Tool calls")
 _ANY_OBJECT = '{"type": "object"}'
 
 def constraint_grammar(kind: str, spec: str) -> xgr.Grammar:
@@ -31,6 +33,7 @@ def constraint_grammar(kind: str, spec: str) -> xgr.Grammar:
     if kind == 'json_schema': return xgr.Grammar.from_json_schema(spec, any_whitespace=False, strict_mode=True)
     if kind == 'regex': return xgr.Grammar.from_regex(spec)
     if kind == 'ebnf': return xgr.Grammar.from_ebnf(spec)
+    if kind == 'structural_tag': return xgr.Grammar.from_structural_tag(spec)
     raise ValueError(f'kind: must be one of {CONSTRAINT_KINDS}, got {kind!r}')
 
 # %% ../nbs/07b_grammar.ipynb #ed39b09c
@@ -60,15 +63,17 @@ def check_constraint(kind: str, spec: str) -> None:
     check_text(param, spec)
     check(len(spec) <= MAX_SPEC_CHARS, param, f'is {len(spec)} characters long, more than {MAX_SPEC_CHARS}')
     if kind == 'json_object': check(spec == '', param, f'a json_object constraint takes no spec, got {short(spec)}')
-    elif kind == 'json_schema':
+    elif kind in ('json_schema', 'structural_tag'):
+        name = 'JSON schema' if kind == 'json_schema' else 'structural tag'
         try: schema = json.loads(spec)
-        except (ValueError, RecursionError) as e: raise ParamError(param, f'the JSON schema is not valid JSON: {e}') from None
-        check(isinstance(schema, dict), param, f'the JSON schema must be a JSON object, got {type(schema).__name__}')
-        check(_json_depth(spec) <= MAX_JSON_DEPTH, param, f'the JSON schema nests deeper than {MAX_JSON_DEPTH} levels')
+        except (ValueError, RecursionError) as e: raise ParamError(param, f'the {name} is not valid JSON: {e}') from None
+        check(isinstance(schema, dict), param, f'the {name} must be a JSON object, got {type(schema).__name__}')
+        check(_json_depth(spec) <= MAX_JSON_DEPTH, param, f'the {name} nests deeper than {MAX_JSON_DEPTH} levels')
     else: check(spec.strip() != '', param, 'must not be empty')
     try: constraint_grammar(kind, spec)
     except (RuntimeError, ValueError) as e:
-        what = {'json_schema': 'invalid JSON schema', 'regex': 'invalid regular expression', 'ebnf': 'invalid EBNF grammar'}[kind]
+        what = {'json_schema': 'invalid JSON schema', 'regex': 'invalid regular expression', 'ebnf': 'invalid EBNF grammar',
+                'structural_tag': 'invalid structural tag'}[kind]
         raise ParamError(param, f'{what}: {_why(e)}') from None
 
 # %% ../nbs/07b_grammar.ipynb #c0d4e333
@@ -220,3 +225,90 @@ def apply_masks(logits: Tensor, rows: list[int], matchers: list[RequestMatcher])
     mask = bitmask if logits.device.type == 'cpu' else bitmask.to(logits.device)
     xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=V, indices=need)
     if logits.shape[-1] > V: logits[need, V:] = float('-inf')     # padded LM-head columns are never allowed
+
+# %% ../nbs/07b_grammar.ipynb #2b9a4804
+TOOL_CALL_BEGIN, TOOL_CALL_END = '<tool_call>', '</tool_call>'
+_NO_PARAMETERS = {'type': 'object', 'properties': {}}
+
+def tool_parameters(tool: dict) -> dict:
+    "The JSON schema of an OpenAI function tool's arguments (a function without `parameters` takes none)."
+    return tool['function'].get('parameters') or _NO_PARAMETERS
+
+def check_tools(tools: list[dict]) -> None:
+    "Refuse a tool whose `parameters` is not a JSON schema xgrammar can compile, with a `ParamError` naming the tool."
+    for i, t in enumerate(tools):
+        try: check_constraint('json_schema', json.dumps(tool_parameters(t)))
+        except ParamError as e:
+            raise ParamError(f'tools.{i}.function.parameters', f"of {t['function']['name']!r}: {str(e).removeprefix(e.param + ': ')}") from None
+
+# %% ../nbs/07b_grammar.ipynb #38bd3372
+def _call_tag(tool: dict) -> dict:
+    "The structural tag of one call of `tool`: its name fixed, its arguments its parameters' schema."
+    head = f'{TOOL_CALL_BEGIN}\n{{"name": {json.dumps(tool["function"]["name"])}, "arguments": '
+    return {'type': 'tag', 'begin': head, 'end': f'}}\n{TOOL_CALL_END}',
+            'content': {'type': 'json_schema', 'json_schema': tool_parameters(tool), 'max_whitespace_cnt': 1}}
+
+def tool_call_constraint(tools: list[dict], name: str | None = None, parallel: bool = True) -> Constraint:
+    "The output of a forced call: one or more (one when `name` is given or not `parallel`) calls of `tools`, nothing else."
+    if name is not None: tools = [t for t in tools if t['function']['name'] == name]
+    check(len(tools) > 0, 'tool_choice', f'no tool named {short(name)}' if name else 'a forced call needs tools')
+    calls = {'type': 'tags_with_separator', 'tags': [_call_tag(t) for t in tools], 'separator': '\n',
+             'at_least_one': True, 'stop_after_first': name is not None or not parallel}
+    return Constraint('structural_tag', json.dumps({'type': 'structural_tag', 'format': calls}, separators=(',', ':')))
+
+# %% ../nbs/07b_grammar.ipynb #75d5a57d
+@dataclass(frozen=True)
+class ToolCall:
+    "One call the model wrote: the function's name and its arguments, as JSON text."
+    name: str
+    arguments: str
+
+def _call_of(block: str, names: set[str] | None) -> ToolCall | None:
+    "The `ToolCall` of one `<tool_call>...</tool_call>` block, or None when it is not a well-formed call of a known tool."
+    try: call = json.loads(block[len(TOOL_CALL_BEGIN):-len(TOOL_CALL_END)])
+    except (ValueError, RecursionError): return None
+    if not isinstance(call, dict) or not isinstance(call.get('name'), str): return None
+    if names is not None and call['name'] not in names: return None
+    args = call.get('arguments', {})
+    return ToolCall(call['name'], json.dumps(args, ensure_ascii=False)) if isinstance(args, dict) else None
+
+def _partial_len(text: str, tag: str) -> int:
+    "Length of the longest tail of `text` that is a proper prefix of `tag`."
+    return next((k for k in range(min(len(tag) - 1, len(text)), 0, -1) if text.endswith(tag[:k])), 0)
+
+# %% ../nbs/07b_grammar.ipynb #4db046b2
+class ToolCallParser:
+    "Splits a stream of generated text into content and `ToolCall`s, holding back what may still become a call."
+    def __init__(self, names: set[str] | None = None):
+        self.names, self.buf, self.after_call = names, '', False
+
+    def feed(self, text: str, final: bool = False) -> list[str | ToolCall]:
+        "Add `text`; return what is now decided, in order: content strings and calls. `final`: the text is over."
+        self.buf += text
+        out: list[str | ToolCall] = []
+        while True:
+            start = self.buf.find(TOOL_CALL_BEGIN)
+            end = self.buf.find(TOOL_CALL_END, start + len(TOOL_CALL_BEGIN)) if start >= 0 else -1
+            if end < 0: break
+            end += len(TOOL_CALL_END)
+            call = _call_of(self.buf[start:end], self.names)
+            if call is None: out.append(self.buf[:end]); self.after_call = False    # malformed: content, as written
+            else: out += [self.buf[:start].rstrip(), call]; self.after_call = True     # whitespace before a call is not content
+            self.buf = self.buf[end:]
+        if final: cut = 0 if self.after_call and not self.buf.strip() else len(self.buf)   # an unclosed block is content too
+        else:   # an open block is held until it closes, so is a tail that may start one, and the whitespace before them
+            start = self.buf.find(TOOL_CALL_BEGIN)
+            cut = len(self.buf[:start if start >= 0 else len(self.buf) - _partial_len(self.buf, TOOL_CALL_BEGIN)].rstrip())
+        if cut: out.append(self.buf[:cut]); self.after_call = False
+        self.buf = self.buf[cut:]
+        return [x for x in out if x != '']
+
+    def finish(self) -> list[str | ToolCall]:
+        "The text is over: what was held is content (an unclosed block too)."
+        return self.feed('', final=True)
+
+def parse_tool_calls(text: str, names: set[str] | None = None) -> tuple[str, list[ToolCall]]:
+    "The content and the calls of a whole generated text (the same split a stream gets from `ToolCallParser`)."
+    p = ToolCallParser(names)
+    items = p.feed(text) + p.finish()
+    return ''.join(x for x in items if isinstance(x, str)), [x for x in items if isinstance(x, ToolCall)]

@@ -11,11 +11,12 @@ from typing import Iterator
 
 from fastcore.basics import patch
 
-from .core import FinishReason, SamplingParams
+from .core import FinishReason, SamplingParams, check
 from .engine import Engine, EngineArgs
 from .messages import AbortReq, GenerateReq, Rejected
 from .scheduler import ModelRunner, Scheduler
-from .tokenizer import TokenizerWorker
+from .tokenizer import TokenizerWorker, render_chat
+from .tp import launch_tp, make_engine, stop_processes
 from .weights import load_tokenizer
 
 # %% auto #0
@@ -53,7 +54,11 @@ class LLM:
     "Generate text offline: the scheduler runs in this process. `LLM()` loads the embedded default model."
     def __init__(self, model: str | None = None, engine: ModelRunner | None = None, **engine_args):
         self.args = EngineArgs(model=model, **engine_args)
-        self.engine = engine or Engine(self.args)
+        check(self.args.nnodes == 1, 'nnodes', 'LLM runs its ranks on this machine; serve a model across machines '
+              'with `minisgl serve --nnodes`')
+        self.args, self.followers = launch_tp(self.args) if engine is None else (self.args, [])   # tp_size > 1: ranks 1..N-1
+        try: self.engine = engine or make_engine(self.args)
+        except BaseException: stop_processes(self.followers); raise
         self.tokenizer = self.engine.tokenizer if isinstance(self.engine, Engine) else load_tokenizer(self.args.model)
         detok = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)
         # outputs are consumed from step()'s return value; the default send_fn would keep them all
@@ -62,6 +67,18 @@ class LLM:
         self.info = self.scheduler.info
         self.worker = TokenizerWorker(self.tokenizer, self.info)
         self._uids = itertools.count(1)
+
+# %% ../nbs/11_llm.ipynb #47a57e6f
+@patch
+def close(self: LLM) -> None:
+    "Release the engine: with `tp_size > 1` its follower ranks exit. `with LLM(...) as llm:` calls it."
+    if isinstance(self.engine, Engine): self.engine.close()
+    stop_processes(self.followers); self.followers = []
+
+@patch
+def __enter__(self: LLM): return self
+@patch
+def __exit__(self: LLM, *exc): self.close()
 
 # %% ../nbs/11_llm.ipynb #fc0f978c
 @patch
@@ -141,8 +158,7 @@ def apply_chat_template(self: LLM, messages: list[dict]) -> list[int]:
     "Token ids of a conversation, ready for the assistant's answer."
     if not messages or not all(isinstance(m, dict) and "role" in m for m in messages):
         raise ValueError("messages: must be a non-empty list of {'role': ..., 'content': ...} dicts")
-    text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return self.tokenizer.encode(text, add_special_tokens=False)
+    return self.tokenizer.encode(render_chat(self.tokenizer, messages), add_special_tokens=False)   # as the server renders it
 
 
 @patch

@@ -73,6 +73,7 @@ class GenerateReq:
     params: SamplingParams
     prompts: list[str | list[int]] | None = None    # completions
     messages: list[dict] | None = None              # chat
+    tools: list[dict] | None = None                 # chat: the tools to render into the prompt (OpenAI's shape)
     default_max_tokens: int | None = None           # for `params.max_tokens=None`; None: the rest of the context
 
 

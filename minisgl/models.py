@@ -191,6 +191,12 @@ class ForwardContext:
     backend: str | None = None  # attention backend for `minisgl.kernels` (None: by device)
     fused: bool | None = None   # fused C++ element-wise ops (None: the model decides, see `CausalLM.forward`)
     positions: torch.Tensor | None = None   # [N] (set by `CausalLM.forward` for the fused rotary)
+    tp: object | None = None    # tensor parallel: this rank's `TPGroup` (chapter tensor_parallel); None on one device
+
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        "Sum a row-parallel layer's partial output over the ranks (in place); nothing on one device."
+        if self.tp is not None: self.tp.all_reduce(x)
+        return x
 
     def attend(self, layer_id: int, q, k, v, scale: float, sliding_window: int = -1) -> torch.Tensor:
         "Store this step's K/V of one layer, then attend over the whole history; returns [N, Hq, D]."
@@ -289,9 +295,9 @@ class DecoderLayer(nn.Module):
         f = bool(ctx.fused)
         if residual is None: x, residual = self.input_layernorm(x, fused=f), x
         else: x, residual = self.input_layernorm(x, residual, fused=f)
-        x = self.self_attn(x, rope, rotary, ctx)
+        x = ctx.reduce(self.self_attn(x, rope, rotary, ctx))     # o_proj is row-parallel under TP: sum the ranks
         x, residual = self.post_attention_layernorm(x, residual, fused=f)
-        return self.mlp(x, fused=f), residual
+        return ctx.reduce(self.mlp(x, fused=f)), residual         # and so is down_proj
 
 # %% ../nbs/05_models.ipynb #5f227f46
 def _linear_kernel(lin: nn.Module, rows: int) -> str | None:
@@ -330,14 +336,16 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
                 logits_idx: torch.Tensor | None = None) -> torch.Tensor:
         "Logits `[len(logits_idx), vocab]` (float32) for the rows `logits_idx` of the flat token list."
-        x, residual = self.embed_tokens(input_ids), None
+        x, residual = self._embed(input_ids, ctx), None
         fused = self.can_fuse(x, ctx) if ctx.fused is None else ctx.fused
         rope = None if fused and not self.cfg.qk_norm else self.rotary.lookup(positions)   # fused: C++ looks up
         ctx = dataclasses.replace(ctx, fused=fused, positions=positions)
         direct = fused and self._direct_decode(x, ctx)
+        self.last_path = 'fused decode' if direct else 'fused layers' if fused else 'modules'   # for logs and tests
         if direct:
             head = logits_idx is None and _linear_kernel(self.lm_head, x.shape[0]) in NATIVE_KERNELS
-            if not hasattr(kernels.native(), 'decode_layers'): x, residual = self._decode_layers(x, ctx)
+            if ctx.tp is not None or not hasattr(kernels.native(), 'decode_layers'):   # one C++ call has no room for all-reduces
+                x, residual = self._decode_layers(x, ctx)
             elif head:
                 return self._decode_layers_native(x, ctx, head=True)   # on to the logits, in the same call
             else: x, residual = self._decode_layers_native(x, ctx)
@@ -346,8 +354,20 @@ class CausalLM(nn.Module):
                 x, residual = layer(x, residual, rope, self.rotary, ctx)
         if logits_idx is not None: x, residual = x[logits_idx], residual[logits_idx]
         x, _ = self.norm(x, residual, fused=fused)
-        if direct: return _decode_linear(self.lm_head, x).float()   # the kernel decode_layers would use (or the plan's)
-        return self.lm_head(x).float()
+        if direct: return self._gather_vocab(_decode_linear(self.lm_head, x).float(), ctx)   # the kernel decode_layers would use
+        return self._gather_vocab(self.lm_head(x).float(), ctx)
+
+    def _embed(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        "The embedding rows of `input_ids`; under TP each rank holds a slice of the vocabulary and the ranks' rows are summed."
+        if ctx.tp is None: return self.embed_tokens(input_ids)
+        local = input_ids - ctx.tp.vocab_start
+        mine = (local >= 0) & (local < self.embed_tokens.num_embeddings)
+        x = self.embed_tokens(local.clamp(0, self.embed_tokens.num_embeddings - 1))
+        return ctx.reduce(x * mine.unsqueeze(1).to(x.dtype))
+
+    def _gather_vocab(self, logits: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        "The whole vocabulary's logits: under TP each rank computed its slice's, so gather and join them."
+        return logits if ctx.tp is None else ctx.tp.gather_vocab(logits)
 
     def _direct_decode(self, x: torch.Tensor, ctx: ForwardContext) -> bool:
         "A bf16 decode step that `_decode_layers` can run: every layer matmul's kernel at this batch size is a native one."
@@ -373,11 +393,11 @@ class CausalLM(nn.Module):
             rope_store_(qkv, pos, cos, sin, k_cache, v_cache, loc, att.num_heads, att.num_kv_heads)
             hq, d = att.num_heads, att.head_dim
             o = attend(qkv[:, :hq * d].view(n, hq, d), k_cache, v_cache, pt, ti, sl, att.scale, att.sliding_window)
-            x = _decode_linear(att.o_proj, o.view(n, hq * d))
+            x = ctx.reduce(_decode_linear(att.o_proj, o.view(n, hq * d)))
             ln2 = layer.post_attention_layernorm
             norm_(x, residual, ln2.weight, ln2.eps)
             h = ext.silu_mul(_decode_linear(mlp.gate_up_proj, x))
-            x = _decode_linear(mlp.down_proj, h)
+            x = ctx.reduce(_decode_linear(mlp.down_proj, h))
         return x, residual
 
     def _decode_layers_native(self, x: torch.Tensor, ctx: ForwardContext, head: bool = False):

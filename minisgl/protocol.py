@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from typing import Any, ClassVar, Literal
@@ -15,9 +16,11 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, mo
 from .core import ParamError, SamplingParams, check_text, short
 
 # %% auto #0
-__all__ = ['UNSUPPORTED_FIELDS', 'IGNORED_FIELDS', 'APIError', 'ChatMessage', 'ChatCompletionRequest', 'CompletionRequest',
+__all__ = ['UNSUPPORTED_FIELDS', 'IGNORED_FIELDS', 'SGLANG_DEFAULTS', 'TOOL_CHOICES', 'APIError', 'FunctionDefinition', 'Tool',
+           'CalledFunction', 'AssistantToolCall', 'ChatMessage', 'ChatCompletionRequest', 'CompletionRequest',
            'parse_request', 'to_sampling_params', 'chat_logprobs', 'completion_logprobs', 'new_id', 'usage',
-           'chat_response', 'chat_chunk', 'completion_response', 'sse']
+           'chat_response', 'chat_chunk', 'completion_response', 'sse', 'new_call_id', 'chat_message',
+           'tool_call_deltas', 'finish_reason']
 
 # %% ../nbs/09_protocol.ipynb #b4391b01
 class APIError(Exception):
@@ -31,10 +34,12 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 # %% ../nbs/09_protocol.ipynb #909340b9
-UNSUPPORTED_FIELDS = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
+UNSUPPORTED_FIELDS = ("functions", "function_call",                # the deprecated forms of tools / tool_choice
                       "logit_bias", "audio", "modalities", "prediction",
                       "web_search_options", "reasoning_effort", "suffix", "echo", "best_of")
 IGNORED_FIELDS = ("user", "metadata", "store", "service_tier")
+SGLANG_DEFAULTS = {"no_stop_trim": False, "skip_special_tokens": True, "return_hidden_states": False,   # what SGLang's router adds
+                   "continue_final_message": False, "separate_reasoning": True, "stream_reasoning": True}
 
 
 def _refuse_unsupported(data: Any) -> Any:
@@ -44,7 +49,11 @@ def _refuse_unsupported(data: Any) -> Any:
         value = data.get(name)
         if value not in (None, False, [], {}, "", 1 if name == "best_of" else None):
             raise APIError(f"{name} is not supported by minisgl", param=name, code="unsupported_parameter")
-    return {k: v for k, v in data.items() if k not in UNSUPPORTED_FIELDS and k not in IGNORED_FIELDS}
+    for name, default in SGLANG_DEFAULTS.items():
+        if name in data and data[name] is not default:      # `is`: JSON's 1 is not true
+            raise APIError(f"{name} other than {json.dumps(default)} is not supported by minisgl", param=name,
+                           code="unsupported_parameter")
+    return {k: v for k, v in data.items() if k not in UNSUPPORTED_FIELDS and k not in IGNORED_FIELDS and k not in SGLANG_DEFAULTS}
 
 # %% ../nbs/09_protocol.ipynb #cdfedc68
 def _require(ok: bool, msg: str) -> None:
@@ -114,6 +123,42 @@ class _SamplingRequest(BaseModel):
     def stop_list(self) -> list[str]:
         return list(self.stop or [])
 
+# %% ../nbs/09_protocol.ipynb #196f66f5
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class FunctionDefinition(_Strict):
+    "A function the model may call: its name, what it does, and the JSON schema of its arguments."
+    name: str
+    description: str | None = None
+    parameters: dict | None = None      # a JSON schema; None: no arguments
+    strict: bool | None = None          # (calls are always held to the schema when forced, never under "auto")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v):   # OpenAI's rule; it also keeps a name safe inside the grammar of a forced call
+        _require(re.fullmatch(r"[A-Za-z0-9_-]{1,64}", v) is not None, f"must be 1 to 64 letters, digits, _ or -, got {short(v)}")
+        return v
+
+
+class Tool(_Strict):
+    "One entry of a chat request's `tools`."
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class CalledFunction(_Strict):
+    name: str
+    arguments: str                      # JSON text, as OpenAI sends it
+
+
+class AssistantToolCall(_Strict):
+    "A call an assistant message of the conversation made (its result comes in a `tool` message)."
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
 # %% ../nbs/09_protocol.ipynb #017b50a2
 class ChatMessage(BaseModel):
     "One message of a conversation; list-of-parts `content` is joined into one string."
@@ -121,6 +166,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict] | None = None
     name: str | None = None
+    tool_calls: list[AssistantToolCall] | None = None   # an assistant's calls, earlier in the conversation
+    tool_call_id: str | None = None                     # a tool's result: the call it answers
 
     @field_validator("content")
     @classmethod
@@ -135,17 +182,23 @@ class ChatMessage(BaseModel):
         _require_text(v or "", "content")
         return v or ""
 
-    @field_validator("name")
+    @field_validator("name", "tool_call_id")
     @classmethod
-    def _name(cls, v): return v if v is None else _require_text(v, "name")
+    def _name(cls, v, info): return v if v is None else _require_text(v, info.field_name)
 
 # %% ../nbs/09_protocol.ipynb #143a32b5
+TOOL_CHOICES = ("none", "auto", "required")
+
+
 class ChatCompletionRequest(_SamplingRequest):
     "The body of `POST /v1/chat/completions`."
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: str | dict | None = None       # "none", "auto", "required" or {"type": "function", "function": {"name": ...}}
+    parallel_tool_calls: bool = True
 
     @field_validator("messages")
     @classmethod
@@ -158,10 +211,43 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.max_completion_tokens is not None: self.max_tokens = self.max_completion_tokens
         if self.top_logprobs is not None:
             _require(self.logprobs or self.top_logprobs == 0, "top_logprobs requires logprobs=true")
+        self._check_tools()
         return self
+
+    def _check_tools(self):
+        names = [t.function.name for t in self.tools or []]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup: raise APIError(f"tools: function names must be unique, {short(dup)} repeat", param="tools")
+        c, err = self.tool_choice, lambda msg: APIError(f"tool_choice: {msg}", param="tool_choice")
+        if isinstance(c, str) and c not in TOOL_CHOICES:
+            raise err(f"must be 'none', 'auto', 'required' or {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, got {short(c)}")
+        if isinstance(c, dict):
+            f = c.get("function")
+            if set(c) != {"type", "function"} or c["type"] != "function" or not isinstance(f, dict) or set(f) != {"name"} or not isinstance(f["name"], str):
+                raise err(f'a named choice must be {{"type": "function", "function": {{"name": ...}}}}, got {short(c)}')
+            if f["name"] not in names: raise err(f"names the function {short(f['name'])}, which is not among tools ({', '.join(names) or 'none given'})")
+        if self.tool_mode in ("required", "named"):
+            if not names: raise err(f"{short(c)} needs tools")
+            given = [n for n in ("response_format", "regex", "ebnf") if getattr(self, n) is not None]
+            if given and (self.response_format or {}).get("type") != "text":
+                raise err(f"a forced call cannot be combined with {given[0]}: both would constrain the output")
 
     @property
     def num_top_logprobs(self) -> int: return self.top_logprobs or 0
+
+    @property
+    def tool_mode(self) -> str:
+        "'none' (no tools, or tool_choice 'none'), 'auto', 'required' or 'named'."
+        c = self.tool_choice if self.tool_choice is not None else ("auto" if self.tools else "none")
+        return "named" if isinstance(c, dict) else c if c == "required" or self.tools else "none"
+
+    @property
+    def tool_dicts(self) -> list[dict] | None:
+        "The tools to render into the prompt and parse calls of (None under 'none': see below)."
+        return None if self.tool_mode == "none" else [t.model_dump(exclude_none=True) for t in self.tools]
+
+    @property
+    def named_tool(self) -> str | None: return self.tool_choice["function"]["name"] if self.tool_mode == "named" else None
 
 # %% ../nbs/09_protocol.ipynb #67c38b26
 class CompletionRequest(_SamplingRequest):
@@ -241,6 +327,11 @@ def to_sampling_params(req: _SamplingRequest, defaults: dict | None = None) -> S
         if req.response_format is not None or req.regex is not None or req.ebnf is not None:
             from minisgl.grammar import request_constraint       # chapter `grammar` (xgrammar loads in seconds: only when asked)
             kw["constraint"] = request_constraint(req.response_format, req.regex, req.ebnf)
+        if chat and req.tools:
+            from minisgl.grammar import check_tools, tool_call_constraint
+            check_tools(req.tool_dicts or [t.model_dump(exclude_none=True) for t in req.tools])
+            if req.tool_mode in ("required", "named"):
+                kw["constraint"] = tool_call_constraint(req.tool_dicts, req.named_tool, req.parallel_tool_calls)
         return SamplingParams(**kw)
     except ParamError as e:
         param = "logprobs" if e.param == "top_logprobs" and not chat else e.param   # a completion's name for it
@@ -289,3 +380,24 @@ def completion_response(rid: str, model: str, choices: list[dict], use: dict | N
 def sse(obj: dict | str) -> bytes:
     "One server-sent event: `data: <json>` and a blank line."
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n".encode()
+
+# %% ../nbs/09_protocol.ipynb #758d1ac0
+def new_call_id() -> str: return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def chat_message(content: str, calls: list) -> dict:
+    "An assistant message: `content`, and the `tool_calls` of `calls` (`grammar.ToolCall`s: `name` and `arguments` text)."
+    if not calls: return {"role": "assistant", "content": content}
+    return {"role": "assistant", "content": content or None,
+            "tool_calls": [{"id": new_call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls]}
+
+
+def tool_call_deltas(call, index: int) -> list[dict]:
+    "The streamed deltas of call number `index`: its id, type and name, then its arguments."
+    return [{"index": index, "id": new_call_id(), "type": "function", "function": {"name": call.name, "arguments": ""}},
+            {"index": index, "function": {"arguments": call.arguments}}]
+
+
+def finish_reason(reason: str | None, called: bool) -> str | None:
+    "A finished choice's `finish_reason`: 'tool_calls' when it stopped after calling tools."
+    return "tool_calls" if called and reason == "stop" else reason

@@ -16,6 +16,7 @@ import zmq
 from .engine import Engine, EngineArgs
 from .messages import ControlMsg, ControlReply, IPCNames, Ready, Stats, ignore_sigint
 from .scheduler import ModelRunner, Scheduler
+from .tp import make_engine
 from .weights import load_tokenizer
 
 logger = logging.getLogger("minisgl.scheduler_worker")
@@ -75,7 +76,7 @@ def run_scheduler_worker(names: IPCNames, args: EngineArgs, log_level: str = "in
     outbox = ctx.socket(zmq.PUSH); outbox.connect(names.detokenizer)
     try:
         try:
-            engine = engine_factory() if engine_factory else Engine(args)
+            engine = engine_factory() if engine_factory else make_engine(args)   # tp_size > 1: rank 0; the server started the others
             tok = engine.tokenizer if isinstance(engine, Engine) else load_tokenizer(args.model)
             config = args.scheduler_config(engine, serving=True)
         except Exception as e:
@@ -87,7 +88,9 @@ def run_scheduler_worker(names: IPCNames, args: EngineArgs, log_level: str = "in
         outbox.send_pyobj(Ready(sched.info))     # the limits, and the sampling the model recommends
         io.push_stats(force=True)
         try: (sched.overlap_loop if config.overlap else sched.normal_loop)()
-        finally: sched.close()
+        finally:
+            sched.close()
+            if isinstance(engine, Engine): engine.close()
     finally:
         ctx.destroy(linger=500)
         if os.getppid() != parent: shutil.rmtree(names.dir, ignore_errors=True)   # the server died: nobody else will

@@ -15,7 +15,7 @@ import shutil
 import socket
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Callable
 
 import uvicorn
@@ -26,16 +26,18 @@ from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from . import __version__
 from .cli import DEFAULT_HOST, DEFAULT_PORT, bind_listener
 from .core import SamplingParams, check, check_int, check_number, option, short
 from .engine import EngineArgs
 from .messages import (AbortReq, Accepted, ControlMsg, ControlReply, GenerateReq, IPCNames, Ready, Rejected, Stats,
                               TextOutput)
-from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_chunk, chat_logprobs,
-                              chat_response, completion_logprobs, completion_response, new_id, parse_request,
-                              sse, to_sampling_params, usage)
+from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_chunk, chat_logprobs, chat_message,
+                              chat_response, completion_logprobs, completion_response, finish_reason, new_id, parse_request,
+                              sse, to_sampling_params, tool_call_deltas, usage)
 from .scheduler import ModelRunner
 from .scheduler_worker import run_scheduler_worker
+from .tp import launch_tp
 from .tokenizer import run_tokenizer_worker
 
 # %% auto #0
@@ -135,10 +137,13 @@ class Frontend:
         self.sync_ctx = zmq.Context()
         self.outbox = self.sync_ctx.socket(zmq.PUSH); self.outbox.connect(self.names.tokenizer)
         spawn = mp.get_context("spawn")
+        # --tp N: ranks 1..N-1 of this machine start first (watched and stopped with the others); the scheduler hosts rank 0
+        self.args, followers = launch_tp(self.args, self.args.log_level) if self.engine_factory is None else (self.args, [])
         self.procs = [spawn.Process(target=run_tokenizer_worker, args=(self.names, self.args.model), name="minisgl-tokenizer", daemon=True),
                       spawn.Process(target=run_scheduler_worker, args=(self.names, self.args, self.args.log_level, self.engine_factory),
                                     name="minisgl-scheduler", daemon=True)]
         for p in self.procs: p.start()
+        self.procs += followers
         self.receiver = asyncio.get_running_loop().create_task(self._receive_loop())
 
     async def stop(self):
@@ -228,7 +233,7 @@ class Frontend:
         if self.stalled: raise APIError(f"the scheduler has made no progress for {self.args.watchdog_timeout} s; retry later",
                                         status=503, type="service_unavailable")
 
-    async def submit(self, req, params: SamplingParams, prompts=None, messages=None) -> tuple[list[int], asyncio.Queue, list[int]]:
+    async def submit(self, req, params: SamplingParams, prompts=None, messages=None, tools=None) -> tuple[list[int], asyncio.Queue, list[int]]:
         "Admit a request: (uids of its choices, the queue their outputs arrive in, prompt lengths)."
         self.check_ready()
         if req.model is not None and req.model not in (self.model_name, "default"):
@@ -243,7 +248,7 @@ class Frontend:
         uids, q = [next(self.uids) for _ in range(count)], asyncio.Queue()
         for i, u in enumerate(uids): self.pending[u] = (q, i)
         fut = self.verdicts[uids[0]] = asyncio.get_running_loop().create_future()
-        self._send(GenerateReq(uids, params, prompts=prompts, messages=messages, default_max_tokens=req.default_max_tokens))
+        self._send(GenerateReq(uids, params, prompts=prompts, messages=messages, tools=tools, default_max_tokens=req.default_max_tokens))
         try: reply = await fut
         except BaseException: self.abort(uids); raise
         if isinstance(reply, Rejected):
@@ -356,11 +361,12 @@ async def _generate(fe: Frontend, request: Request, kind: str):
         _check_key(fe, request)
         cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
         req = parse_request(await _read_body(fe, request), cls)
+        fe.check_ready()               # the model's sampling defaults come with its Ready: a 503 while it loads
         # every sampling rule: SamplingParams' own checks; what the request leaves out, the model's recommendation
         params = to_sampling_params(req, fe.info["sampling_defaults"])
         if kind == "chat":
             msgs = [m.model_dump(exclude_none=True) for m in req.messages]
-            uids, q, plens = await fe.submit(req, params, messages=msgs)
+            uids, q, plens = await fe.submit(req, params, messages=msgs, tools=req.tool_dicts)
         else:
             uids, q, plens = await fe.submit(req, params, prompts=req.prompts)
     except APIError as e:
@@ -403,14 +409,31 @@ def _topk(entries: list, k: int) -> list:
     return [(t, lp, top[:k]) for t, lp, top in entries]
 
 
+def _tool_parser(req):
+    "A `ToolCallParser` (chapter `grammar`) of a chat's output when it has tools to call (not under 'none'), else None."
+    if not getattr(req, "tool_dicts", None): return None
+    from minisgl.grammar import ToolCallParser
+    return ToolCallParser({t["function"]["name"] for t in req.tool_dicts})
+
+
+def _parsed(parser, text: str, final: bool = False) -> list:
+    "Content strings and tool calls of `text`: all content when there is no parser."
+    if parser is None: return [text] if text else []
+    return parser.feed(text, final=final)
+
+
 def _respond(fe: Frontend, req, kind: str, rid: str, uids: list[int], acc: _Choices, plens: list[int]) -> dict:
     "The one JSON body of a finished, non-streaming request."
     use = usage(sum(plens), sum(acc.ntok))
     k = req.num_top_logprobs
     if kind == "chat":
-        choices = [{"index": i, "message": {"role": "assistant", "content": acc.text[i]},
-                    "logprobs": chat_logprobs(_topk(acc.lps[i], k)) if req.logprobs else None,
-                    "finish_reason": acc.reason[i]} for i in range(len(uids))]
+        choices = []
+        for i in range(len(uids)):
+            items = _parsed(_tool_parser(req), acc.text[i], final=True)
+            calls = [x for x in items if not isinstance(x, str)]
+            choices.append({"index": i, "message": chat_message("".join(x for x in items if isinstance(x, str)), calls),
+                            "logprobs": chat_logprobs(_topk(acc.lps[i], k)) if req.logprobs else None,
+                            "finish_reason": finish_reason(acc.reason[i], bool(calls))})
         return chat_response(rid, fe.model_name, choices, use)
     choices = [{"index": i, "text": acc.text[i],
                 "logprobs": completion_logprobs(_topk(acc.lps[i], k)) if req.logprobs is not None else None,
@@ -452,6 +475,48 @@ def build_app(fe: Frontend) -> FastAPI:
         status = "error" if fe.error else "stalled" if fe.stalled else "loading"
         return JSONResponse({"status": status, "message": fe.error or (status == "stalled" and "the scheduler makes no progress") or None},
                             status_code=503)
+
+    # what a router asks a replica (SGLang's names; see "Replicas behind a router")
+    @app.get("/health_generate", responses={503: {"description": "loading, stalled, failed, or no token in time"}})
+    async def health_generate():
+        "Healthy when the model generates one token within `watchdog_timeout` (a full server: when its scheduler progresses)."
+        req = parse_request({"prompt": [0], "max_tokens": 1, "temperature": 0}, CompletionRequest)
+        try: uids, q, _ = await fe.submit(req, to_sampling_params(req), prompts=req.prompts)
+        except APIError as e:
+            if e.status == 429: return await health()       # no slot for the probe: the watchdog judges
+            return JSONResponse({"status": "error", "message": e.message}, status_code=503)
+        try:
+            while not (t := await asyncio.wait_for(q.get(), fe.args.watchdog_timeout)).finished: pass
+        except TimeoutError: t = None
+        finally: fe.abort(uids)
+        if t is None or t.finish_reason == "error":
+            return JSONResponse({"status": "error", "message": t.error if t else "no token in time"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/server_info", responses={401: _ERROR, 503: _ERROR})
+    @app.get("/get_server_info", include_in_schema=False)     # the older name, which routers fall back to
+    async def server_info(request: Request):
+        "The server's arguments (less the key) and the scheduler's limits from its `Ready`; a router takes the model's name from it."
+        _check_key(fe, request); fe.check_ready()
+        args, info = {k: v for k, v in asdict(fe.args).items() if k != "api_key"}, fe.info
+        return {**args, **info, "model_path": fe.args.model, "served_model_name": fe.model_name, "version": __version__,
+                "max_running_requests": info["max_running_reqs"], "max_total_tokens": info["num_pages"] * info["page_size"]}
+
+    @app.get("/model_info", responses={401: _ERROR})
+    @app.get("/get_model_info", include_in_schema=False)
+    async def model_info(request: Request):
+        "The model's path (None: the embedded default, which has no path a router could load a tokenizer from) and name."
+        _check_key(fe, request)
+        return {"model_path": fe.args.model, "tokenizer_path": fe.args.model, "served_model_name": fe.model_name,
+                "is_generation": True}
+
+    @app.get("/get_load", responses={401: _ERROR, 503: _ERROR})
+    async def get_load(request: Request):
+        "The scheduler's load, one entry per data-parallel rank: requests, and KV tokens they hold (power_of_two routing reads it)."
+        _check_key(fe, request)
+        s = await fe.control("stats")
+        return [{"dp_rank": 0, "num_reqs": s["running"] + s["queued"], "num_waiting_reqs": s["queued"],
+                 "num_tokens": s["pages_owned"] * fe.info["page_size"]}]
 
     @app.get("/v1/models", responses={401: _ERROR})
     async def models(request: Request):
@@ -514,6 +579,7 @@ async def _stream(fe: Frontend, req, kind: str, rid: str, uids: list[int], q: as
     "The SSE body of a streaming request; aborts its choices if the client goes away. A failure ends it with an error event."
     index = {u: i for i, u in enumerate(uids)}
     acc, chat, k = _Choices(len(uids), fe.metrics, t0), kind == "chat", req.num_top_logprobs
+    parsers, ncalls = [_tool_parser(req) for _ in uids], [0] * len(uids)    # a chat with tools: calls become tool_calls deltas
     try:
         if chat:
             yield sse(chat_chunk(rid, fe.model_name, [{"index": i, "delta": {"role": "assistant", "content": ""},
@@ -529,9 +595,17 @@ async def _stream(fe: Frontend, req, kind: str, rid: str, uids: list[int], q: as
             if not (t.text or t.finished or want_lp): continue
             lp = _topk(t.logprobs or [], k)
             if chat:
-                choice = {"index": i, "delta": {"content": t.text} if t.text else {},
-                          "logprobs": chat_logprobs(lp) if want_lp else None, "finish_reason": t.finish_reason if t.finished else None}
-                yield sse(chat_chunk(rid, fe.model_name, [choice]))
+                deltas = []
+                for x in _parsed(parsers[i], t.text, final=t.finished):
+                    if not isinstance(x, str):
+                        deltas += [{"tool_calls": [d]} for d in tool_call_deltas(x, ncalls[i])]; ncalls[i] += 1
+                    elif deltas and "content" in deltas[-1]: deltas[-1]["content"] += x
+                    else: deltas.append({"content": x})
+                for j, delta in enumerate(deltas or ([{}] if t.finished or want_lp else [])):
+                    last = j == max(len(deltas), 1) - 1
+                    choice = {"index": i, "delta": delta, "logprobs": chat_logprobs(lp) if want_lp and j == 0 else None,
+                              "finish_reason": finish_reason(t.finish_reason, ncalls[i] > 0) if t.finished and last else None}
+                    yield sse(chat_chunk(rid, fe.model_name, [choice]))
             else:
                 choice = {"index": i, "text": t.text, "logprobs": completion_logprobs(lp, offsets[i]) if want_lp else None,
                           "finish_reason": t.finish_reason if t.finished else None}

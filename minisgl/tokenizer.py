@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import os
 import shutil
@@ -23,7 +24,8 @@ from .weights import load_tokenizer
 logger = logging.getLogger("minisgl.tokenizer")
 
 # %% auto #0
-__all__ = ['logger', 'IncrementalDetokenizer', 'encode_request', 'TokenizerWorker', 'Admissions', 'run_tokenizer_worker']
+__all__ = ['logger', 'IncrementalDetokenizer', 'speaks_hermes', 'tools_system_prompt', 'render_chat', 'encode_request',
+           'TokenizerWorker', 'Admissions', 'run_tokenizer_worker']
 
 # %% ../nbs/10_tokenizer.ipynb #e327ddef
 def _held_len(text: str, stops: list[str]) -> int:
@@ -83,12 +85,77 @@ def finish(self: IncrementalDetokenizer, token_id: int | None = None, cut: bool 
     if token_id is not None: self.ids.append(int(token_id))
     return self._emit(self._new_text(final=True), final=True, cut=cut)
 
+# %% ../nbs/10_tokenizer.ipynb #915cab9b
+def _template(tokenizer) -> str:
+    t = getattr(tokenizer, "chat_template", None) or ""
+    return t if isinstance(t, str) else str(t.get("default", ""))      # (a dict: named templates)
+
+
+def speaks_hermes(tokenizer) -> bool:
+    "Does the model's chat template render tools, and in the Hermes `<tool_call>` format that chapter `grammar` parses?"
+    t = _template(tokenizer)
+    return "tools" in t and "<tool_call>" in t
+
+
+def tools_system_prompt(tools: list[dict]) -> str:
+    "The Hermes instructions for a template that renders no tools: the functions as JSON, and the format of a call."
+    from minisgl.grammar import TOOL_CALL_BEGIN, TOOL_CALL_END
+    listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+            f"You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{listed}\n</tools>\n\n"
+            "For each function call, return a json object with function name and arguments within "
+            f"{TOOL_CALL_BEGIN}{TOOL_CALL_END} XML tags:\n{TOOL_CALL_BEGIN}\n"
+            f'{{"name": <function-name>, "arguments": <args-json-object>}}\n{TOOL_CALL_END}')
+
+# %% ../nbs/10_tokenizer.ipynb #5e5e1d4f
+def _arguments(text: str):
+    "A call's arguments as the object a template prints (text that is not a JSON object stays text)."
+    try: v = json.loads(text)
+    except (ValueError, RecursionError): return text
+    return v if isinstance(v, dict) else text
+
+
+def _native(messages: list[dict]) -> list[dict]:
+    "Messages for a template that knows tools: each call's arguments parsed."
+    return [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": _arguments(c["function"]["arguments"])}}
+                                 for c in m["tool_calls"]]} if m.get("tool_calls") else m for m in messages]
+
+
+def _as_text(messages: list[dict], tools: list[dict] | None) -> list[dict]:
+    "Messages for a template that knows no tools: the tools in the system prompt, calls and results as text."
+    from minisgl.grammar import TOOL_CALL_BEGIN, TOOL_CALL_END
+    out: list[dict] = []
+    for m in messages:
+        if m["role"] == "tool":
+            block = f"<tool_response>\n{m['content']}\n</tool_response>"
+            if out and out[-1].get("_results"): out[-1]["content"] += "\n" + block
+            else: out.append({"role": "user", "content": block, "_results": True})
+            continue
+        calls = [f'{TOOL_CALL_BEGIN}\n{{"name": {json.dumps(c["function"]["name"])}, "arguments": {c["function"]["arguments"]}}}\n{TOOL_CALL_END}'
+                 for c in m.get("tool_calls") or []]
+        out.append({"role": m["role"], "content": "\n".join(([m["content"]] if m["content"] else []) + calls)})
+    if tools:
+        if out[0]["role"] in ("system", "developer"): out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + tools_system_prompt(tools)}
+        else: out.insert(0, {"role": "system", "content": tools_system_prompt(tools)})
+    return [{k: v for k, v in m.items() if k != "_results"} for m in out]
+
+
+def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> str:
+    "The prompt text of a chat through the model's template: the tools and calls as the template renders them, else as text."
+    messages = [{**m, "content": m.get("content") or ""} for m in messages]
+    hermes = speaks_hermes(tokenizer)
+    if tools and hermes:
+        return tokenizer.apply_chat_template(_native(messages), tools=tools, tokenize=False, add_generation_prompt=True)
+    if tools or any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
+        messages = _native(messages) if hermes else _as_text(messages, tools)
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
 # %% ../nbs/10_tokenizer.ipynb #10edc455
 def encode_request(tokenizer, msg: GenerateReq) -> list[list[int]]:
     "Token ids of each prompt of `msg` (chat messages go through the model's chat template)."
     if msg.messages is not None:
         try:
-            text = tokenizer.apply_chat_template(msg.messages, tokenize=False, add_generation_prompt=True)
+            text = render_chat(tokenizer, msg.messages, msg.tools)
         except Exception as e:
             raise ParamError("messages", f"the model's chat template failed: {e}") from None
         return [tokenizer.encode(text, add_special_tokens=False)]
@@ -143,6 +210,7 @@ class TokenizerWorker:
     def _check_length(self, msg: GenerateReq, tok):
         "Refuse a text too long for the context before tokenizing it whole: one huge request must not stall the others."
         texts = [p for p in msg.prompts or [] if isinstance(p, str)] + [m.get("content") or "" for m in msg.messages or []]
+        if msg.tools: texts.append(json.dumps(msg.tools))
         param, ctx = "messages" if msg.messages is not None else "prompt", self.info["max_seq_len"]
         n = max(map(len, texts), default=0) if msg.prompts is not None else sum(map(len, texts))
         check(n <= self.max_chars, param, f"has {n} characters: more than {ctx} tokens of this model can hold")

@@ -14,6 +14,7 @@ import hashlib
 import logging
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -182,8 +183,8 @@ def _target(name: str, cfg: ModelConfig) -> tuple[str, int] | None:
     return name, 0
 
 # %% ../nbs/06_weights.ipynb #e45c11ac
-def load_weights(model: CausalLM, model_dir: str | Path) -> None:
-    "Copy every `*.safetensors` tensor of `model_dir` into `model` (casting to its dtype/device)."
+def load_weights(model: CausalLM, model_dir: str | Path, read: Callable | None = None) -> None:
+    "Copy every `*.safetensors` tensor of `model_dir` into `model` (casting to its dtype/device); `read(file, key)` may read a slice (tensor parallel)."
     from safetensors import safe_open
     params = dict(model.named_parameters())         # tied weights appear once, as embed_tokens
     filled = {n: 0 for n in params}
@@ -198,7 +199,7 @@ def load_weights(model: CausalLM, model_dir: str | Path) -> None:
                 if name not in params:
                     if name == 'lm_head.weight' and model.cfg.tie_word_embeddings: continue
                     raise ValueError(f'checkpoint tensor {key!r} has no place in the model ({name!r})')
-                t, p = sf.get_tensor(key), params[name]
+                t, p = (read(sf, key) if read else sf.get_tensor(key)), params[name]
                 if p.dim() and (off + t.shape[0] > p.shape[0] or tuple(t.shape[1:]) != tuple(p.shape[1:])):
                     raise ValueError(f'checkpoint tensor {key!r} has shape {tuple(t.shape)}, '
                                      f'which does not fit {name} {tuple(p.shape)} at row {off}')
@@ -226,13 +227,14 @@ def load_hf_config(model_dir: str | Path) -> dict:
     return json.loads(p.read_text())
 
 def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = 'cpu',
-               max_seq_len: int | None = None) -> CausalLM:
-    "Build a `CausalLM` for the HF directory `model_dir` and load its weights."
+               max_seq_len: int | None = None, shard=None) -> CausalLM:
+    "Build a `CausalLM` for the HF directory `model_dir` and load its weights (`shard`: only one rank's slice of them, a `ShardPlan`)."
     cfg = ModelConfig.from_hf(load_hf_config(model_dir))
-    max_seq_len = max_seq_len or cfg.max_position_embeddings
+    max_seq_len = max_seq_len or cfg.max_position_embeddings      # the whole model's, whatever the shard
+    if shard is not None: cfg = shard.local_config(cfg)
     with _skip_init(), torch.device(device):
         model = CausalLM(cfg, max_seq_len, dtype=dtype, device=device).to(dtype)
-    load_weights(model, model_dir)
+    load_weights(model, model_dir, shard.read if shard is not None else None)
     return model.eval().requires_grad_(False)
 
 # %% ../nbs/06_weights.ipynb #8cb7047f
