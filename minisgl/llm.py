@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -49,6 +50,12 @@ class RequestOutput:
     @property
     def finish_reason(self) -> str | None: return self.outputs[0].finish_reason
 
+# %% ../nbs/11_llm.ipynb #1a0bbf21
+def _log_level() -> str:
+    "The level this process logs minisgl at (as its follower ranks should): warning when nobody configured logging."
+    if not logging.getLogger().handlers: return 'warning'
+    return logging.getLevelName(logging.getLogger('minisgl').getEffectiveLevel()).lower()
+
 # %% ../nbs/11_llm.ipynb #7884b246
 class LLM:
     "Generate text offline: the scheduler runs in this process. `LLM()` loads the embedded default model."
@@ -56,7 +63,7 @@ class LLM:
         self.args = EngineArgs(model=model, **engine_args)
         check(self.args.nnodes == 1, 'nnodes', 'LLM runs its ranks on this machine; serve a model across machines '
               'with `minisgl serve --nnodes`')
-        self.args, self.followers = launch_tp(self.args) if engine is None else (self.args, [])   # tp_size > 1: ranks 1..N-1
+        self.args, self.followers = launch_tp(self.args, _log_level()) if engine is None else (self.args, [])   # tp_size > 1: ranks 1..N-1
         try: self.engine = engine or make_engine(self.args)
         except BaseException: stop_processes(self.followers); raise
         self.tokenizer = self.engine.tokenizer if isinstance(self.engine, Engine) else load_tokenizer(self.args.model)

@@ -8,7 +8,7 @@ scripts/setup_browser.sh   # Chromium for tests/test_site_browser.py
 export PATH="$PWD/.venv/bin:$PATH" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 start=$SECONDS
 
-echo "== 1/4 the notebooks are the source: cleaning and exporting them must change nothing"
+echo "== 1/3 the notebooks are the source: cleaning and exporting them must change nothing"
 snapshot() { git status --porcelain -- nbs minisgl; git diff -- nbs minisgl | sha1sum; }
 before=$(snapshot)
 nbdev_clean >/dev/null
@@ -21,15 +21,12 @@ if [ "$before" != "$after" ]; then
   exit 1
 fi
 
-echo "== 2/4 CUDA sources compile (nvcc -c against torch's headers)"
-if [ -x scripts/check_cuda_compile.sh ]; then scripts/check_cuda_compile.sh; else echo "no CUDA compile check yet"; fi
-
-echo "== 3/4 every notebook runs on this machine (cells flagged gpu run only with --flags gpu)"
+echo "== 2/3 every notebook runs on this machine (cells flagged gpu run only with --flags gpu)"
 flags=""
 if python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then flags="--flags gpu"; fi
 # shellcheck disable=SC2086
 nbdev_test --n_workers 1 --timing $flags
 
-echo "== 4/4 pytest tests/"
+echo "== 3/3 pytest tests/ (tests/test_kernels.py also compiles every CUDA source with nvcc)"
 python -m pytest tests/ -q -p no:cacheprovider "$@"
 echo "all tests passed in $((SECONDS - start)) s (after set-up)"

@@ -72,7 +72,7 @@ def mutated(draw):
 
 
 @given(mutated())
-@settings(max_examples=4500, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=2500, deadline=None, suppress_health_check=list(HealthCheck))
 def test_mutation_fuzzer(fuzzed, case):
     path, body = case
     raw = json.dumps(body, allow_nan=True).encode()
