@@ -37,7 +37,7 @@ from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_
                               sse, to_sampling_params, tool_call_deltas, usage)
 from .scheduler import ModelRunner
 from .scheduler_worker import run_scheduler_worker
-from .tp import launch_tp
+from .tp import launch_tp, stop_processes
 from .tokenizer import run_tokenizer_worker
 
 # %% auto #0
@@ -156,9 +156,7 @@ class Frontend:
         except zmq.ZMQError: pass
         deadline = time.monotonic() + self.args.shutdown_timeout
         while any(p.is_alive() for p in self.procs) and time.monotonic() < deadline: await asyncio.sleep(0.05)
-        for p in self.procs:
-            if p.is_alive(): logger.warning("%s did not exit; terminating it", p.name); p.terminate(); p.join(3)
-            if p.is_alive(): p.kill(); p.join(3)
+        stop_processes(self.procs, timeout=0)       # what is still running: terminated, then killed
         self.ctx.destroy(linger=0); self.sync_ctx.destroy(linger=0)
         shutil.rmtree(self.names.dir, ignore_errors=True)
         self.names = None
@@ -411,9 +409,10 @@ def _topk(entries: list, k: int) -> list:
 
 def _tool_parser(req):
     "A `ToolCallParser` (chapter `grammar`) of a chat's output when it has tools to call (not under 'none'), else None."
-    if not getattr(req, "tool_dicts", None): return None
+    tools = getattr(req, "tool_dicts", None)         # a completion has none
+    if not tools: return None
     from minisgl.grammar import ToolCallParser
-    return ToolCallParser({t["function"]["name"] for t in req.tool_dicts})
+    return ToolCallParser({t["function"]["name"] for t in tools})
 
 
 def _parsed(parser, text: str, final: bool = False) -> list:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from fastcore.basics import patch
 
 from .core import check
-from .engine import Engine, EngineConfig
+from .engine import Engine, EngineConfig, _resolve_device
 from .messages import ignore_sigint
 from .models import ModelConfig
 from .weights import load_hf_config, load_model, resolve_model
@@ -300,10 +300,8 @@ def ranks_per_node(config: EngineConfig) -> int: return config.tp_size // config
 
 def _rank_device(config: EngineConfig, rank: int) -> torch.device:
     "The device of `rank`: the CPU, or GPU `rank` (of this node's ranks) when the config asks for CUDA."
-    dev = config.device
-    if dev == 'auto': dev = 'cuda' if torch.cuda.is_available() else 'cpu'
-    if dev == 'cuda': dev = f'cuda:{rank % ranks_per_node(config)}'
-    return torch.device(dev)
+    dev = _resolve_device(config.device)          # 'auto' and a missing GPU: as one device resolves them
+    return torch.device('cuda', rank % ranks_per_node(config)) if dev.type == 'cuda' and dev.index is None else dev
 
 class TPEngine(Engine):
     "Rank `rank` of a tensor-parallel `Engine`: its slice of the weights and KV heads, and the group joining the ranks."
@@ -424,7 +422,7 @@ def stop_processes(procs: list, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     for p in procs: p.join(max(0.0, deadline - time.monotonic()))
     for p in procs:
-        if p.is_alive(): p.terminate(); p.join(3)
+        if p.is_alive(): logger.warning('%s did not exit; terminating it', p.name); p.terminate(); p.join(3)
         if p.is_alive(): p.kill(); p.join(3)
 
 def make_engine(config: EngineConfig, progress: bool = True) -> Engine:
