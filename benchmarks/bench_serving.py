@@ -1,7 +1,8 @@
 """`minisgl serve` under concurrent streaming clients, against llama.cpp's `llama-server --parallel N` on the same
 GGUF: output tok/s, time to first token and inter-token latency (p50/p99) at several concurrencies.
 
-Each run starts a server on a free loopback port (the embedded model, bf16; llama-server with `--parallel` equal
+Each run starts a server on a free loopback port (the embedded model with `minisgl serve`'s defaults, bf16 where its
+bf16 kernels run; llama-server with `--parallel` equal
 to the concurrency and a context of 1024 tokens per slot), sends `--requests` completions of random-word prompts
 of 40-300 words with `--new-tokens` new tokens each (EOS ignored), at most `--concurrency` at a time, streaming,
 and measures on the client: TTFT = first streamed token - request sent; ITL = the gaps between a request's
@@ -81,8 +82,7 @@ def start_server(policy: str, port: int, extra: list[str], llama_server: str | N
         cmd = [llama_server, "-m", str(default_gguf_path()), "--port", str(port), "--host", "127.0.0.1",
                "--parallel", str(conc), "-c", str(1024 * conc), "--threads", str(os.cpu_count())]
     else:
-        cmd = [sys.executable, "-m", "minisgl", "serve", "--port", str(port), "--dtype", "bfloat16",
-               "--schedule-policy", policy, "--log-level", "warning", *extra]
+        cmd = [sys.executable, "-m", "minisgl", "serve", "--port", str(port), "--schedule-policy", policy, "--log-level", "warning", *extra]
     log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"bench_serving_{policy}_{port}.log"), "w")
     p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)   # the server's log, kept for a failed run
     for _ in range(300):

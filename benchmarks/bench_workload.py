@@ -1,9 +1,13 @@
 """A mixed offline workload, minisgl against its peers in one run: 48 requests of random-token prompts of 40-300
 tokens, 64 new tokens each, greedy, EOS ignored, the default model (SmolLM2-135M-Instruct) in bf16.
 
-- minisgl: `LLM(dtype="bfloat16")` with its defaults (prefill-first rounds; its kernel plan measured or read from the
-  cache first), and the same engine with mixed batches (`minisgl_mixed`);
-- HF transformers: `generate` over static batches (left-padded), the best of batch 16 and batch 48;
+- minisgl: `LLM()` with its defaults (bf16 where its bf16 kernels run, prefill-first rounds; its kernel plan
+  measured or read from the cache first), and the same engine with mixed batches (`minisgl_mixed`); with
+  `--variants minisgl,minisgl_mixed,minisgl_fp32` also `LLM(dtype="float32")`, which is what a CPU without
+  the bf16 kernels runs;
+- HF transformers: `generate` over static batches (left-padded), the best of batch 16 and batch 48, in the faster of
+  bf16 and fp32 on this CPU (torch's bf16 matmul is a generic loop on a CPU without AVX-512, where fp32 is several
+  times faster): a probe (8 prompts, 8 new tokens, each dtype) picks it, and the JSON keeps the probe's times;
 - llama.cpp through llama-cpp-python on the same GGUF file (Q4_1: llama.cpp runs it quantized, minisgl and HF
   de-quantize it to bf16), one request after another (its Python API decodes one sequence at a time). It is
   optional: `--llama-python PATH` names a Python that has `llama_cpp` (kept outside the repo, e.g. built with
@@ -85,10 +89,10 @@ def run_minisgl(llm, prompts, new, policy=None):
     return once
 
 
-def run_hf(model_dir, new, batch):
+def run_hf(model_dir, new, batch, dtype):
     import torch
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     pad = 0
     def once(prompts):
         n, t0 = 0, time.perf_counter()
@@ -105,6 +109,13 @@ def run_hf(model_dir, new, batch):
     return once
 
 
+def hf_probe(model_dir, dtype, prompts) -> float:
+    "Seconds for HF to generate 8 tokens for `prompts` in one static batch, in `dtype` (after a warm-up)."
+    once = run_hf(model_dir, 8, len(prompts), dtype)
+    once(prompts[:2])
+    return once(prompts)[1]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=48)
@@ -113,6 +124,9 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--hf-batches", default="16,48")
+    ap.add_argument("--hf-dtypes", default="bfloat16,float32", help="HF's candidate dtypes; a probe keeps the faster")
+    ap.add_argument("--variants", default="minisgl,minisgl_mixed",
+                    help="minisgl runs: minisgl (LLM() defaults), minisgl_mixed (mixed batches), minisgl_fp32 (dtype float32)")
     ap.add_argument("--llama-python", default=None, metavar="PATH", help="a Python with llama_cpp installed")
     ap.add_argument("--out", default=None, metavar="FILE.json")
     ap.add_argument("--no-cap-run", action="store_true", help="on an AMX CPU, skip the run with oneDNN capped below AMX")
@@ -124,25 +138,35 @@ def main():
     print(f"{info['cpu']}, {info['cores']} cores, torch {info['torch']}, caps {info['caps']}; "
           f"flags: {' '.join(info['flags'])}", flush=True)
     model_dir = resolve_model(None, progress=False)
+    variants = args.variants.split(",")
+    unknown = set(variants) - {"minisgl", "minisgl_mixed", "minisgl_fp32"}
+    if "minisgl" not in variants or unknown: ap.error(f"--variants must include minisgl; unknown: {sorted(unknown)}")
     t = time.perf_counter()
-    llm = LLM(dtype="bfloat16")   # defaults; its kernel plan is measured here on a first start, else read
-    print(f"minisgl loaded in {time.perf_counter() - t:.1f} s, kernel plan: {llm.engine.kernel_plan.source}", flush=True)
+    llm = LLM()   # defaults; its kernel plan is measured here on a first start, else read
+    plan = llm.engine.kernel_plan
+    print(f"minisgl loaded in {time.perf_counter() - t:.1f} s ({llm.engine.dtype}), kernel plan: "
+          f"{plan.source if plan else None}", flush=True)
     # new prompts for every repeat (the same for every system): a repeat of the same prompts would hit minisgl's prefix cache
     reps = [workload(args.requests, args.min_prompt, args.max_prompt, llm.engine.vocab_size, seed=r) for r in range(args.reps)]
     warm = workload(4, args.min_prompt, args.max_prompt, llm.engine.vocab_size, seed=-1)
-    mini_onces = {"minisgl": run_minisgl(llm, warm, args.new_tokens),
-                  "minisgl_mixed": run_minisgl(llm, warm, args.new_tokens, "mixed")}
-    hf_onces = {b: run_hf(model_dir, args.new_tokens, int(b)) for b in args.hf_batches.split(",")}
+    mini_onces = {"minisgl": run_minisgl(llm, warm, args.new_tokens)}
+    if "minisgl_mixed" in variants: mini_onces["minisgl_mixed"] = run_minisgl(llm, warm, args.new_tokens, "mixed")
+    if "minisgl_fp32" in variants: mini_onces["minisgl_fp32"] = run_minisgl(LLM(dtype="float32"), warm, args.new_tokens)
+    probe = {d: hf_probe(model_dir, d, warm * 2) for d in args.hf_dtypes.split(",")}
+    hf_dtype = min(probe, key=probe.get)
+    print("HF probe (8 prompts, 8 new tokens): " + ", ".join(f"{d} {t:.1f} s" for d, t in probe.items()) +
+          f"; HF runs in {hf_dtype}", flush=True)
+    hf_onces = {f"hf_batch{b}": run_hf(model_dir, args.new_tokens, int(b), hf_dtype) for b in args.hf_batches.split(",")}
 
-    results = {**{k: [] for k in mini_onces}, **{f"hf_batch{b}": [] for b in hf_onces}}
+    results = {**{k: [] for k in mini_onces}, **{k: [] for k in hf_onces}}
     tokens = {}
     for rep, prompts in enumerate(reps):   # interleaved: a slow moment of the machine hurts every system alike
         for k, once in mini_onces.items():   # each its own prompts (same distribution): no prefix-cache hits
             own = prompts if k == "minisgl" else workload(args.requests, args.min_prompt, args.max_prompt,
                                                           llm.engine.vocab_size, seed=1000 + rep)
             n, t = once(own); results[k].append(t); tokens[k] = n
-        for b, once in hf_onces.items():
-            n, t = once(prompts); results[f"hf_batch{b}"].append(t); tokens[f"hf_batch{b}"] = n
+        for k, once in hf_onces.items():
+            n, t = once(prompts); results[k].append(t); tokens[k] = n
         print(f"rep {rep + 1}: " + ", ".join(f"{k} {tokens[k] / v[-1]:.1f} tok/s" for k, v in results.items()), flush=True)
 
     missing = {}
@@ -165,7 +189,8 @@ def main():
     summary = dict(machine=info, workload=vars(args), tokens_per_s=tps, seconds=results, missing=missing,
                    ratio_vs_hf_best=tps["minisgl"] / hf_best,
                    ratio_vs_llama_cpp=tps["minisgl"] / tps["llama.cpp"] if "llama.cpp" in tps else None,
-                   kernel_plan=llm.engine.kernel_plan.source if llm.engine.kernel_plan else None)
+                   dtype=str(llm.engine.dtype).removeprefix("torch."), hf_dtype=hf_dtype, hf_probe_s=probe,
+                   kernel_plan=plan.source if plan else None)
     runs = [summary]
     if not args.no_cap_run and any(f.startswith("amx") for f in info["flags"]) and not info["caps"]["ONEDNN_MAX_CPU_ISA"]:
         print("\nagain with oneDNN capped below AMX (ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16):", flush=True)

@@ -96,7 +96,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_gemv", &minisgl::linear_gemv, "y = x @ weight.T (+ bias) for a few rows of x; weight bf16 [N, K]",
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(), py::arg("isa") = "");
   m.def("linear_packed_available", &minisgl::linear_packed_available,
-        "whether linear_packed runs here (a CPU with AVX512-BF16)");
+        "whether linear_packed runs here (a CPU with AVX2 and FMA, or AVX512-BF16)");
+  m.def("linear_packed_isa", &minisgl::linear_packed_isa, "the body linear_packed runs here: avx512bf16 | avx2 | none");
   m.def("pack_linear_weight", &minisgl::pack_linear_weight,
         "repack a bf16 weight [N, K] for linear_packed: [ceil(N/16), K/2, 16, 2], zero rows past N", py::arg("weight"));
   m.def("linear_packed", &minisgl::linear_packed,

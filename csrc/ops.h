@@ -28,9 +28,11 @@ at::Tensor linear_gemv_cpu(const at::Tensor& x, const at::Tensor& weight, const 
                            const std::string& isa);
 std::string linear_isa();  // the GEMV variant picked at run time: avx512bf16 | avx512 | avx2 | baseline
 
-// Small-batch bf16 linear over a repacked weight (csrc/cpu/gemm_bf16.cpp, AVX512-BF16 only): pack once with
-// pack_linear_weight ([N, K] -> [ceil(N/16), K/2, 16, 2]), then y[M, N] = x @ W^T (+ bias), bf16.
+// Batch bf16 linear over a repacked weight (csrc/cpu/gemm_bf16.cpp; AVX512-BF16 dot products, else AVX2 + FMA on
+// W widened in registers): pack once with pack_linear_weight ([N, K] -> [ceil(N/16), K/2, 16, 2]), then
+// y[M, N] = x @ W^T (+ bias), bf16.
 bool linear_packed_available();
+std::string linear_packed_isa();  // the body linear_packed runs here: avx512bf16 | avx2 | none
 at::Tensor pack_linear_weight(const at::Tensor& weight);
 at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias);
 

@@ -13,6 +13,7 @@ import torch.nn as nn
 from fastcore.basics import patch
 
 from .core import Batch, ChunkedReq, ForwardOutput, SamplingParams, check, check_choice, check_int, option
+from .kernels import native
 from .kvcache import KVPool
 from .linear import (KERNELS, ROW_BUCKETS, KernelPlan, PackedLinear, can_pack_linears, kernel_plan, linear_specs,
                             pack_linears)
@@ -25,8 +26,8 @@ from .weights import (eos_token_ids, load_hf_config, load_model, load_tokenizer,
 logger = logging.getLogger('minisgl.engine')
 
 # %% auto #0
-__all__ = ['logger', 'PLANNED_ROWS', 'FIXED_LIMITS', 'EngineConfig', 'cpu_has_fast_bf16', 'free_memory', 'Engine',
-           'model_linear_specs', 'BatchLimits', 'linear_seconds', 'fit_limits', 'EngineArgs']
+__all__ = ['logger', 'PLANNED_ROWS', 'FIXED_LIMITS', 'MIN_SERVE_CHUNK', 'EngineConfig', 'cpu_has_fast_bf16', 'free_memory',
+           'Engine', 'model_linear_specs', 'BatchLimits', 'linear_seconds', 'fit_limits', 'EngineArgs']
 
 # %% ../nbs/08_engine.ipynb #2a257558
 _DTYPES = {'float32': torch.float32, 'fp32': torch.float32, 'bfloat16': torch.bfloat16, 'bf16': torch.bfloat16,
@@ -36,7 +37,7 @@ _DTYPES = {'float32': torch.float32, 'fp32': torch.float32, 'bfloat16': torch.bf
 class EngineConfig:
     "How to build an `Engine`; validated on construction (a `ParamError` naming the field)."
     model: str | None = option(None, "Hugging Face model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)", metavar='PATH')
-    dtype: str = option('auto', "weights and KV dtype; auto: bfloat16 on GPUs and on CPUs with bf16 instructions, else float32",
+    dtype: str = option('auto', "weights and KV dtype; auto: bfloat16 on GPUs and on CPUs where minisgl's bf16 kernels run (AVX2 and FMA), else float32",
                         choices=('auto', 'float32', 'bfloat16', 'float16'))
     device: str = option('auto', "auto, cpu, cuda or cuda:N; auto: cuda when available")
     max_seq_len: int | None = option(None, "context length in tokens (default: the model's)", flags=('--max-seq-len', '--context-length'), metavar='N')
@@ -104,10 +105,9 @@ def _resolve_device(device: str) -> torch.device:
     return d
 
 def cpu_has_fast_bf16() -> bool:
-    "True when this CPU has bf16 matrix instructions (AMX or AVX512-BF16), where bf16 matmuls beat fp32."
-    try: flags = Path('/proc/cpuinfo').read_text()
-    except OSError: return False
-    return ' amx_bf16' in flags or ' avx512_bf16' in flags
+    "True when minisgl's bf16 batch kernel (`linear_packed`) runs on this CPU: AVX2 and FMA, or AVX512-BF16."
+    ext = native()
+    return ext is not None and hasattr(ext, 'linear_packed_available') and ext.linear_packed_available()
 
 def _resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype != 'auto': return _DTYPES[dtype]
@@ -250,6 +250,8 @@ def linear_seconds(plan: KernelPlan, shape: tuple[int, int], rows: int) -> float
     bucket = min((b for b in measured if b >= rows), default=max(measured))
     return measured[bucket] * max(1.0, rows / bucket)
 
+MIN_SERVE_CHUNK = 16   # prompt tokens per serving step at least (below it the matmuls' per-call costs dominate)
+
 def fit_limits(plan: KernelPlan, specs: dict, head: tuple[int, int], slack: float = 0.1,
                max_rows: int = 256, step_target: float = 0.1) -> BatchLimits:
     "Decode rows where the plan's cost per row stops falling by more than `slack`; chunks whose matmuls fit `step_target`."
@@ -261,11 +263,11 @@ def fit_limits(plan: KernelPlan, specs: dict, head: tuple[int, int], slack: floa
             total += spec.count * t
         return total
     decode = {b: forward(b, b) for b in ROW_BUCKETS if 8 <= b <= max_rows}
-    chunk = {b: forward(b, 1) for b in ROW_BUCKETS if b >= 64}
+    chunk = {b: forward(b, 1) for b in ROW_BUCKETS if b >= MIN_SERVE_CHUNK}
     if not specs or None in decode.values() or None in chunk.values(): return FIXED_LIMITS
     best = min(c / b for b, c in decode.items())   # the fewest rows whose cost per row is within slack of the best
     rows = min(b for b, c in decode.items() if c / b <= best * (1 + slack))
-    serve = max([b for b, c in chunk.items() if c <= step_target], default=64)
+    serve = max([b for b, c in chunk.items() if c <= step_target], default=MIN_SERVE_CHUNK)
     return BatchLimits(rows, ROW_BUCKETS[-1], serve, f'kernel plan: matmuls of a {rows}-row decode step '
                        f'{decode[rows] * 1e3:.0f} ms, of a {serve}-token serving step {chunk[serve] * 1e3:.0f} ms', True)
 

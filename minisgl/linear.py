@@ -29,10 +29,10 @@ from .kernels import native
 
 # %% auto #0
 __all__ = ['GEMV_MAX_ROWS', 'KERNELS', 'LAYOUT', 'ROW_BUCKETS', 'GEMV_PLAN_MAX_ROWS', 'PLAN_FORMAT', 'logger', 'NATIVE_KERNELS',
-           'linear_ref', 'gemv_available', 'linear', 'kernel_runs', 'pack_weight', 'run_linear', 'cpu_signature',
-           'measure_linear', 'choose_kernels', 'KernelPlan', 'LinearSpec', 'measure_plan', 'forced_plan',
-           'plan_cache_dir', 'plan_cache_file', 'kernel_plan', 'PackedLinear', 'can_pack_linears', 'linear_specs',
-           'pack_linears']
+           'linear_ref', 'gemv_available', 'linear', 'onednn_bf16_available', 'kernel_runs', 'pack_weight',
+           'run_linear', 'cpu_signature', 'measure_linear', 'choose_kernels', 'KernelPlan', 'LinearSpec',
+           'measure_plan', 'forced_plan', 'plan_cache_dir', 'plan_cache_file', 'kernel_plan', 'PackedLinear',
+           'can_pack_linears', 'linear_specs', 'pack_linears']
 
 # %% ../nbs/04c_linear.ipynb #b05d00f6
 def linear_ref(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -85,13 +85,19 @@ ROW_BUCKETS = (1, 2, 3, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)   # rows ar
 GEMV_PLAN_MAX_ROWS = 8   # the GEMV's register block: past it every 8 rows stream W again
 
 
+def onednn_bf16_available() -> bool:
+    "Whether torch's oneDNN runs bf16 matmuls here: it needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, and refuses otherwise."
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, '_linear_pointwise')
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def kernel_runs(kernel: str, rows: int, in_features: int = 2) -> bool:
     "Whether `kernel` can run a bf16 CPU linear of `rows` rows and `in_features` columns on this machine."
     ext = native()
     if kernel == 'gemv': return gemv_available() and rows <= GEMV_PLAN_MAX_ROWS
     if kernel == 'tiles': return (ext is not None and hasattr(ext, 'linear_packed') and ext.linear_packed_available()
                                   and in_features % 2 == 0)
-    if kernel == 'onednn': return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, '_linear_pointwise')
+    if kernel == 'onednn': return onednn_bf16_available()
     if kernel == 'torch': return True
     raise ValueError(f'kernel must be one of {KERNELS}, got {kernel!r}')
 
@@ -146,6 +152,7 @@ def cpu_signature() -> dict:
 _COLD_BYTES = 64 << 20       # copies of a weight cycled through, so it is read from memory as in a real step
 _PASS_FLOPS = 2e9            # per timed pass: fewer copies for big calls
 _MAX_CALL_FLOPS = 8e9        # calls above this are not timed
+_HOPELESS = 4.0              # a candidate this many times slower than the best at one bucket is not timed past it
 
 
 def measure_linear(out_features: int, in_features: int, rows: list[int], copies: int = 1,
@@ -172,6 +179,10 @@ def measure_linear(out_features: int, in_features: int, rows: list[int], copies:
                 for w in wl[:use]: run_linear(kern, x, w, n)
                 if rep: samples[kern].append((time.perf_counter() - t0) / use)
         for kern in here: times[kern][m] = statistics.median(samples[kern])
+        best = min(times[kern][m] for kern in here)
+        lasting = [kern for kern in here if kernel_runs(kern, rows[-1], k)]   # the fastest that runs every bucket stays
+        keep = min(lasting, key=lambda kern: times[kern][m]) if lasting else None
+        kernels = [kern for kern in kernels if kern not in here or kern == keep or times[kern][m] < _HOPELESS * best]
     return {kern: t for kern, t in times.items() if t}
 
 # %% ../nbs/04c_linear.ipynb #b22e4f92

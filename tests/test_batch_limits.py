@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from minisgl.engine import FIXED_LIMITS, BatchLimits, Engine, EngineConfig, fit_limits, linear_seconds
+from minisgl.engine import FIXED_LIMITS, MIN_SERVE_CHUNK, BatchLimits, Engine, EngineConfig, fit_limits, linear_seconds
 from minisgl.linear import ROW_BUCKETS, KernelPlan, LinearSpec, can_pack_linears
 
 LAYER, HEAD = (576, 576), (1000, 576)
@@ -34,10 +34,10 @@ def test_rows_follow_the_measured_knee(knee):
     assert limits.prefill_budget == ROW_BUCKETS[-1]   # offline: the longest round measured
 
 
-@pytest.mark.parametrize("base,want", [(1e-3, 64), (1e-4, 1024), (2e-5, 2048), (1e-2, 64)])
+@pytest.mark.parametrize("base,want", [(1e-3, 64), (1e-4, 1024), (2e-5, 2048), (2e-3, 32), (1e-2, 16)])
 def test_serving_chunk_keeps_a_step_under_the_target(base, want):
-    """The largest chunk whose matmuls fit 100 ms (at least 64 tokens): 30 layers of `base` seconds up to 32 rows,
-    then in proportion; faster machines get longer chunks, a machine slower than the target still 64."""
+    """The largest chunk whose matmuls fit 100 ms (at least 16 tokens): 30 layers of `base` seconds up to 32 rows,
+    then in proportion; faster machines get longer chunks, a machine slower than the target still 16."""
     limits = fit_limits(plan_with(32, base), SPECS, HEAD)
     assert limits.serve_budget == want
     assert fit_limits(plan_with(32, base), SPECS, HEAD, step_target=100.0).serve_budget == ROW_BUCKETS[-1]
@@ -75,7 +75,7 @@ def test_engine_fits_its_limits_and_logs_them(caplog):
     want = fit_limits(eng.kernel_plan, eng.linear_specs, head).capped(eng.num_pages * eng.page_size)
     assert lim == want and lim.why.startswith("kernel plan")
     assert lim.max_running_reqs in ROW_BUCKETS and 8 <= lim.max_running_reqs <= 256
-    assert lim.prefill_budget == ROW_BUCKETS[-1] and lim.serve_budget in ROW_BUCKETS and lim.serve_budget >= 64
+    assert lim.prefill_budget == ROW_BUCKETS[-1] and lim.serve_budget in ROW_BUCKETS and lim.serve_budget >= MIN_SERVE_CHUNK
     assert any("batch limits" in r.getMessage() for r in caplog.records)
     # the pool is sized for the fitted rows: every one of them (and one more) can fill a whole context
     assert eng.num_pages <= (lim.max_running_reqs + 1) * 512 // eng.page_size

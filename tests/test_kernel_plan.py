@@ -7,6 +7,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ import torch.nn as nn
 
 from minisgl import kernels
 from minisgl.linear import (KERNELS, LAYOUT, ROW_BUCKETS, LinearSpec, PackedLinear, choose_kernels, forced_plan,
-                            kernel_plan, kernel_runs, linear_ref, linear_specs, pack_linears, pack_weight,
+                            kernel_plan, kernel_runs, linear_ref, linear_specs, measure_linear, pack_linears, pack_weight,
                             plan_cache_file, run_linear)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,6 +34,7 @@ def cache(tmp_path, monkeypatch):
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_candidate_matches_reference(kernel):
     "Each candidate, on the default model's shapes, at the bucket sizes it may be picked for (and between them)."
+    if not kernel_runs(kernel, 1, 576): pytest.skip(f"{kernel} does not run bf16 on this CPU (so it is never picked here)")
     g = torch.Generator().manual_seed(0)
     for n, k in MODEL_SHAPES:
         w = (torch.randn(n, k, generator=g) * k ** -0.5).bfloat16()
@@ -107,20 +109,51 @@ def test_cache_round_trip_and_bad_files(cache, caplog):
 
 
 def test_cache_key_follows_the_isa_cap(cache):
-    "A cap on the CPU's instructions (imitating a narrower CPU) is another machine: another file, and no tiles in it."
+    "A cap on the CPU's instructions (imitating a narrower CPU) is another machine: another file, and its own candidates."
     code = ("import json; from minisgl.linear import LinearSpec, kernel_plan, plan_cache_file; "
-            "s = {(48, 32): LinearSpec(2, 64)}; p = kernel_plan(s); "
+            "from minisgl import _C; s = {(48, 32): LinearSpec(2, 64)}; p = kernel_plan(s); "
             "print(json.dumps([str(plan_cache_file(s)), sorted({k for c in p.choices.values() for _, k in c}), "
-            "sorted(p.times[(48, 32)])]))")
+            "sorted(p.times[(48, 32)]), _C.linear_packed_isa()]))")
     out = {}
-    for cap in ("", "avx512"):
+    for cap in ("", "avx512", "baseline"):
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                            env={**os.environ, "MINISGL_CPU_ISA": cap})
         assert r.returncode == 0, r.stderr[-2000:]
         out[cap] = json.loads(r.stdout.strip().splitlines()[-1])
-    assert out[""][0] != out["avx512"][0]
-    assert "tiles" not in out["avx512"][2]   # not even a candidate there
-    if EXT.linear_packed_available(): assert "tiles" in out[""][2]
+    assert len({out[cap][0] for cap in out}) == 3
+    assert "tiles" not in out["baseline"][2]   # not even a candidate there
+    if EXT.linear_packed_available():
+        assert "tiles" in out[""][2]
+        # an AVX-512 CPU without BF16 runs the tiles' AVX2 body
+        assert out["avx512"][3] == "avx2" and "tiles" in out["avx512"][2]
+
+
+def test_onednn_is_a_candidate_only_where_it_runs_bf16():
+    "torch's oneDNN refuses bf16 without AVX-512 (or AVX-NE-CONVERT): there it is no candidate, and a plan is still measured."
+    runs = kernel_runs("onednn", 8, 64)
+    assert runs == (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    w, x = torch.randn(48, 64).bfloat16(), torch.randn(8, 64).bfloat16()
+    if runs:
+        torch.testing.assert_close(run_linear("onednn", x, pack_weight("onednn", w), 48).float(),
+                                   linear_ref(x, w).float(), atol=0.03, rtol=0.02)
+    else:
+        with pytest.raises(RuntimeError): pack_weight("onednn", w)
+    times = measure_linear(48, 64, [1, 8], reps=1)
+    assert ("onednn" in times) == runs and "torch" in times
+
+
+def test_hopeless_candidates_stop_being_timed(monkeypatch):
+    "A candidate 4x slower than the best at one bucket is not timed at the larger ones (the plan took a minute without it)."
+    import minisgl.linear as L
+    real = L.run_linear
+    def slow_torch(kern, *a, **k):
+        if kern == "torch": time.sleep(0.002)   # ~1000x a 64 x 64 matmul
+        return real(kern, *a, **k)
+    monkeypatch.setattr(L, "run_linear", slow_torch)
+    times = L.measure_linear(64, 64, [1, 2, 4, 16], reps=1)
+    assert sorted(times["torch"]) == [1]
+    fast = [k for k in times if k != "torch"]
+    assert fast and any(sorted(times[k]) == [1, 2, 4, 16] for k in fast)
 
 
 def test_packed_linear_keeps_only_its_layouts():
@@ -228,3 +261,16 @@ def test_tune_command(cache):
     again = subprocess.run([sys.executable, "-m", "minisgl", "tune", "--show"], capture_output=True, text=True,
                            timeout=300, env=env, cwd=ROOT)
     assert again.returncode == 0 and "from the cache" in again.stdout
+
+
+def test_auto_dtype_follows_the_bf16_kernels():
+    "dtype='auto' on a CPU is bf16 where the packed tiles run (AVX2 + FMA or wider), fp32 where they do not (the baseline cap)."
+    code = ("import torch; from minisgl import _C; from minisgl.engine import _resolve_dtype; "
+            "print(_C.linear_packed_available(), _resolve_dtype('auto', torch.device('cpu')))")
+    for cap in ("", "baseline"):
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "MINISGL_CPU_ISA": cap})
+        assert r.returncode == 0, r.stderr[-2000:]
+        available, dtype = r.stdout.split()
+        assert dtype == ("torch.bfloat16" if available == "True" else "torch.float32")
+        if cap == "baseline": assert dtype == "torch.float32"

@@ -3,8 +3,9 @@
 Every ISA variant this machine has (forced through the op's `isa` argument), random shapes including K not
 a multiple of the vector width and odd N, 1..8 rows (and more, which re-stream the weight), bias / no bias,
 bf16 and fp32 x, strided rows; the `MINISGL_CPU_ISA` cap in a subprocess; the argument checks. And the batch
-kernel over packed weights (`linear_packed`, AVX512-BF16 only): random shapes, the model's shapes against the
-GEMV, its argument checks."""
+kernel over packed weights (`linear_packed`: AVX512-BF16 dot products, else the AVX2 body): random shapes,
+prefill-sized row counts, exact rounding to nearest even, the model's shapes against the GEMV, the cap, its
+argument checks."""
 import os
 import subprocess
 import sys
@@ -109,7 +110,7 @@ def test_env_cap(cap, want):
 
 # ---------------------------------------------------------------- linear_packed (csrc/cpu/gemm_bf16.cpp)
 needs_tiles = pytest.mark.skipif(EXT is None or not hasattr(EXT, "linear_packed") or not EXT.linear_packed_available(),
-                                 reason="linear_packed needs the extension and a CPU with AVX512-BF16")
+                                 reason="linear_packed needs the extension and an x86 CPU with AVX2 and FMA")
 
 
 @needs_tiles
@@ -141,6 +142,49 @@ def test_packed_model_shapes_match_gemv():
             x = torch.randn(m, k).bfloat16()
             torch.testing.assert_close(EXT.linear_packed(x, p, n).float(), EXT.linear_gemv(x, w, None, "").float(),
                                        atol=1e-2 * k ** 0.5, rtol=1.6e-2)
+
+
+@needs_tiles
+@pytest.mark.parametrize("K", [576, 1536])
+def test_packed_many_rows(K):
+    "Prefill-sized M: the AVX2 body widens x in chunks of rows (108 at K=576, 42 at K=1536); every chunk and tail is right."
+    torch.manual_seed(K)
+    for M in (107, 108, 109, 300, 701):
+        x, w, b = torch.randn(M, K).bfloat16(), torch.randn(50, K).bfloat16(), torch.randn(50).bfloat16()
+        y = EXT.linear_packed(x, EXT.pack_linear_weight(w), 50, b)
+        ref = (x.float() @ w.float().T + b.float()).bfloat16()
+        torch.testing.assert_close(y.float(), ref.float(), atol=2e-2 * K ** 0.5, rtol=1.6e-2)
+
+
+@needs_tiles
+def test_packed_rounds_to_nearest_even():
+    "Small integers multiply and sum exactly in fp32, so the output must be torch's bf16 rounding of the exact sum, bit for bit."
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(-7, 8, (37, 64), generator=g).float()
+    w = torch.randint(-7, 8, (45, 64), generator=g).float()
+    b = torch.randint(-300, 300, (45,), generator=g).bfloat16()   # the bias as the kernel gets it
+    exact = (x.double() @ w.double().T + b.double()).float()
+    assert (exact.abs() > 256).any()   # where bf16 cannot hold every integer: ties are rounded to even
+    y = EXT.linear_packed(x.bfloat16(), EXT.pack_linear_weight(w.bfloat16()), 45, b)
+    assert torch.equal(y, exact.bfloat16())
+
+
+@needs_ext
+@pytest.mark.parametrize("cap,want", [("", None), ("avx2", "avx2"), ("baseline", "none")])
+def test_packed_env_cap(cap, want):
+    "MINISGL_CPU_ISA caps the tiles' body as it caps the GEMV: avx2 runs the widening body on any AVX2 CPU, baseline none."
+    code = ("import torch; from minisgl import _C; print(_C.linear_packed_isa(), _C.linear_packed_available());"
+            "w = torch.randn(40, 96).bfloat16(); x = torch.randn(13, 96).bfloat16();"
+            "ok = not _C.linear_packed_available() or torch.allclose(_C.linear_packed(x, _C.pack_linear_weight(w), 40).float(),"
+            " (x.float() @ w.float().T), atol=0.3, rtol=0.02); assert ok")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={**os.environ, "MINISGL_CPU_ISA": cap}, timeout=120)
+    assert r.returncode == 0, r.stderr
+    isa, available = r.stdout.split()
+    assert available == str(isa != "none")
+    if want is None:   # uncapped: the widest body this CPU has
+        assert isa == ("avx512bf16" if "avx512bf16" in ISAS else "avx2" if "avx2" in ISAS else "none")
+    elif want == "none" or want in ISAS: assert isa == want
 
 
 @needs_tiles

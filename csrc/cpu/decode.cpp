@@ -7,8 +7,10 @@
 //   - the whole step is ONE OpenMP region. Run as separate calls, each of the 120 matmuls opens its own region,
 //     and under OMP_WAIT_POLICY=PASSIVE every region wakes the pool's sleeping threads (~40-60 us measured,
 //     as long as a small GEMV). Here the threads stay in the region and a spin barrier separates the phases:
-//     every thread streams its part of each matmul (gemv.h: the GEMV over a plain weight, or the tiles over a
-//     packed one), and the small kernels in between split the rows of the batch (norms, rotary + K/V store,
+//     each matmul is cut into a few parts per thread (gemv.h: the GEMV over a plain weight, or the tiles over a
+//     packed one) that the threads take first come first served, so that a thread slowed by the machine (a
+//     shared host, another process) takes fewer of them instead of holding the others at the barrier; the
+//     parts are still contiguous ranges of W, each streamed front to back; and the small kernels in between split the rows of the batch (norms, rotary + K/V store,
 //     SiLU) or the attention plan's tasks (attention_plan.h). No extra threads: whatever OpenMP's wait
 //     policy, nothing else competes for the cores.
 //
@@ -86,6 +88,7 @@ struct LinearPlan {
 constexpr size_t kPerLayer = 10;
 constexpr int64_t kMaxRows = 64;
 constexpr int64_t kSerialRows = 4;  // up to this many rows, the row-wise kernels run on thread 0 alone
+constexpr int64_t kPartsPerThread = 4;  // a matmul's parts per thread, taken first come first served
 
 }  // namespace
 
@@ -132,16 +135,16 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_cpu(
     }
     LinearPlan p;
     if (w->dim() == 4) {  // packed tiles
-      TORCH_CHECK(linear_packed_available(), fn, ": packed weights need a CPU with AVX512-BF16");
+      TORCH_CHECK(linear_packed_available(), fn, ": packed weights need a CPU with AVX2 and FMA");
       TORCH_CHECK(w->size(0) == (rows + 15) / 16 && w->size(1) * 2 == cols && w->size(2) == 16 && w->size(3) == 2,
                   fn, ": packed ", what, " of layer ", l, " must be pack_linear_weight of a [", rows, ", ", cols,
                   "] weight, got ", w->sizes());
       p.tiles = true;
-      p.tp = make_tiles_plan(*w, rows, bp, nt);
+      p.tp = make_tiles_plan(*w, rows, bp, nt * kPartsPerThread);
     } else {
       TORCH_CHECK(w->dim() == 2 && w->size(0) == rows && w->size(1) == cols, fn, ": ", what, " of layer ", l,
                   " must have shape [", rows, ", ", cols, "], got ", w->sizes());
-      p.gemv = make_gemv_plan(*w, bp, n, true, nt, "");
+      p.gemv = make_gemv_plan(*w, bp, n, true, nt * kPartsPerThread, "");
     }
     return p;
   };
@@ -219,13 +222,23 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_cpu(
   std::atomic<bool> failed{false};
   std::atomic<int> leaving{0};
   std::atomic<int64_t> next_task{0};
+  std::atomic<int64_t> next_part{0};
 
 #pragma omp parallel num_threads(nt)
   {
     const int tid = omp_get_thread_num(), team = omp_get_num_threads();
+    int64_t part_base = 0;  // this thread's count of next_part at the start of the current matmul
+    // Runs the parts of a matmul, first come first served, so that a thread the machine slows down takes fewer
+    // of them. Every thread's last fetch_add overshoots by one, so the counter ends each matmul at
+    // part_base + parts + team, which every thread knows without reading it.
+    auto take_parts = [&](const LinearPlan& p, const at::Tensor& in, const at::Tensor& out, YFormat yf) {
+      const int64_t end = part_base + p.parts();
+      for (int64_t t; (t = next_part.fetch_add(1, std::memory_order_relaxed)) < end;) p.run(t - part_base, in, out, yf);
+      part_base = end + team;
+    };
     auto matmul = [&](const LinearPlan& p, const at::Tensor& in, const at::Tensor& out,
                       YFormat yf = YFormat::bf16) {
-      for (int64_t part = tid; part < p.parts(); part += team) p.run(part, in, out, yf);
+      take_parts(p, in, out, yf);
       barrier.wait(team);
     };
     // f(r0, r1) for this thread's rows (all rows on thread 0 for a small batch); true when the step failed.
@@ -292,8 +305,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_cpu(
             at::Tensor xs = x.narrow(0, r, c), rs = residual.narrow(0, r, c);
             fused_add_rms_norm_cpu(xs, rs, *final_norm, eps);
           }))
-        for (int64_t part = tid; part < head_plan.parts(); part += team)
-          head_plan.run(part, x, logits, YFormat::f32_bf16_rounded);
+        take_parts(head_plan, x, logits, YFormat::f32_bf16_rounded);
     }
     // Thread 0 reaches the region's closing barrier last: with OMP_WAIT_POLICY=PASSIVE a thread that waits
     // there sleeps, and thread 0 (the caller) should not need waking before it returns.

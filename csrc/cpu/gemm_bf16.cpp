@@ -1,17 +1,23 @@
-// gemm_bf16.cpp -- y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for a batch of decode rows (M up to a few dozen), bf16,
-// with W repacked once so that no horizontal sums are needed.
+// gemm_bf16.cpp -- y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for a batch of rows (decode batches and prefill
+// chunks), bf16, with W repacked once so that no horizontal sums are needed.
 //
-// The GEMV (linear.cpp) dots one weight row with each row of x and pays one 16-lane horizontal sum per output:
-// fine for M <= 3, where reading W is the whole cost, but at M = 32 the sums and the re-streaming of W per block
-// of 8 rows make it slower than oneDNN, which itself reached only ~265 GFLOP/s here, under a third of what two
-// cores' `vdpbf16ps` can do (~930 GFLOP/s measured). This kernel uses the layout of a register-blocked GEMM:
-//   - W is packed as [N/16][K/2][16][2]: a 64-byte line holds two consecutive k of 16 consecutive outputs, which
-//     is what `vdpbf16ps` multiplies with a broadcast pair (x[m, k], x[m, k + 1]);
-//   - a block of MB <= 8 rows of x times NB = 3 blocks of 16 outputs keeps 24 fp32 accumulators in registers;
-//     per pair of k it loads 3 lines of W and broadcasts MB pairs of x (0.46 loads per dot-product instruction);
-//   - the outputs of a block come out as whole vectors: bias added, rounded to bf16, stored (masked at the edge);
-//   - threads take contiguous ranges of output blocks; each tile of W (55 KB at K = 576) serves all rows of x
-//     before the next is read, so W streams from memory once whatever M (rows beyond 8 re-read it from L2).
+// The GEMV (linear.cpp) dots one weight row with each row of x and pays one horizontal sum per output: fine
+// for M <= 3, where reading W is the whole cost, but at M = 32 the sums and the re-streaming of W per block of
+// 8 rows make it slower than oneDNN. This kernel uses the layout of a register-blocked GEMM:
+//   - W is packed as [N/16][K/2][16][2]: a 64-byte line holds two consecutive k of 16 consecutive outputs, i.e.
+//     16 32-bit words, word n = (W[n, k], W[n, k + 1]);
+//   - two bodies read that one layout, picked once at run time (tiles_isa()):
+//     avx512bf16: `vdpbf16ps` multiplies a line with a broadcast pair (x[m, k], x[m, k + 1]) and sums the pair
+//       in fp32; a block of MB <= 8 rows of x times NB = 3 lines keeps 24 accumulators in registers (0.46 loads
+//       per dot-product instruction);
+//     avx2 (x86 CPUs with AVX2 and FMA, AVX-512 ones without BF16 included): a bf16 is the top half of an
+//       fp32, so one 32-byte load of a line's half gives W[n, k] as fp32 by a 16-bit shift left and W[n, k+1]
+//       by clearing its low half (two shifts); each is multiplied with a broadcast fp32 x[m, k] by FMA. A block of 6 rows
+//       of x times one line (2 vectors of 8 outputs) keeps 12 accumulators of the 16 registers; x is widened
+//       to fp32 once per chunk of rows that fits L2, and each line of W serves the whole chunk from L1;
+//   - the outputs of a block come out as whole vectors: bias added, rounded to bf16 (nearest even, as torch
+//     rounds), stored (masked at the edge);
+//   - threads take contiguous ranges of output blocks, so each reads its own part of W.
 // Packing pads N to a multiple of 16 with zero rows; K must be even.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -19,6 +25,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <string>
+#include <vector>
 
 #include "../ops.h"
 #include "gemv.h"
@@ -37,19 +44,26 @@ namespace {
 constexpr int kNB = 3;  // blocks of 16 outputs per register tile
 constexpr int kMB = 8;  // rows of x per register tile
 
-bool has_bf16_dot() {
+enum class TilesIsa { none, avx2, avx512bf16 };
+
+// MINISGL_CPU_ISA=avx512|avx2 caps the body at avx2 (avx512 here means "AVX-512 without BF16", which runs the
+// avx2 body), baseline turns the tiles off, as for the GEMV and the attention.
+TilesIsa tiles_isa() {
 #ifdef MINISGL_GEMM_X86
-  static const bool ok = [] {
+  static const TilesIsa isa = [] {
     __builtin_cpu_init();
-    // MINISGL_CPU_ISA=avx512|avx2|baseline caps the kernels below AVX512-BF16 (as for the GEMV and attention)
     const char* cap = std::getenv("MINISGL_CPU_ISA");
-    if (cap && *cap && std::string(cap) != "avx512bf16") return false;
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512bf16");
+    const std::string want = cap ? cap : "";
+    const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    const bool bf16 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512bf16");
+    if (want == "baseline") return TilesIsa::none;
+    if (bf16 && (want.empty() || want == "avx512bf16")) return TilesIsa::avx512bf16;
+    return avx2 ? TilesIsa::avx2 : TilesIsa::none;
   }();
-  return ok;
+  return isa;
 #else
-  return false;
+  return TilesIsa::none;
 #endif
 }
 
@@ -116,6 +130,122 @@ MINISGL_TBF16 void blocks(const uint16_t* x, int64_t xs, int64_t M, const uint16
   for (; nb + kNB <= nb1; nb += kNB) tile_all_rows<kNB>(x, xs, M, wp, K2, bias, y, ys, y_f32, N, nb);
   for (; nb < nb1; ++nb) tile_all_rows<1>(x, xs, M, wp, K2, bias, y, ys, y_f32, N, nb);
 }
+
+// ---------------------------------------------------------------- avx2: W widened to fp32 in registers
+#define MINISGL_T256 __attribute__((target("avx2,fma")))
+
+constexpr int kMB2 = 6;  // rows of x per avx2 register tile: 6 x 2 accumulators + 2 of W + 1 of x
+
+// fp32 -> bf16 bits, rounded to nearest even (NaN stays a quiet NaN), 8 at a time.
+MINISGL_T256 inline __m128i to_bf16x8(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+  // 8 words with their value in the low 16 bits -> 8 packed bf16 (packus works per 128-bit lane)
+  const __m256i p = _mm256_packus_epi32(r, r);
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(p, 0x08));
+}
+
+// Adds the bias b to v, rounds it to bf16 and stores the first `valid` of its 8 outputs in row y (bf16, or fp32
+// holding the bf16 value).
+MINISGL_T256 __attribute__((always_inline)) inline void store8(__m256 v, __m256 b, void* y, bool y_f32, int64_t valid) {
+  const __m128i r = to_bf16x8(_mm256_add_ps(v, b));
+  if (y_f32) {
+    alignas(32) float out[8];
+    _mm256_store_ps(out, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(r), 16)));
+    std::copy(out, out + valid, static_cast<float*>(y));
+  } else if (valid == 8) {
+    _mm_storeu_si128(static_cast<__m128i*>(y), r);
+  } else {
+    alignas(16) uint16_t out[8];
+    _mm_store_si128(reinterpret_cast<__m128i*>(out), r);
+    std::copy(out, out + valid, static_cast<uint16_t*>(y));
+  }
+}
+
+MINISGL_T256 inline __m256 bias8(const float* bias, int64_t n0, int64_t valid) {
+  alignas(32) float bb[8] = {};
+  if (bias) for (int64_t i = 0; i < valid; ++i) bb[i] = bias[n0 + i];
+  return _mm256_load_ps(bb);
+}
+
+// Rows [0, MB) of the fp32 chunk xf (row stride K) times output block nb (16 outputs, two vectors of 8:
+// lo and hi). The accumulators are separate named arrays indexed by constants only, so they stay in registers.
+template <int MB>
+MINISGL_T256 inline void tile_256(const float* xf, int64_t K, const uint16_t* wp, int64_t K2, const float* bias,
+                                  void* y, int64_t ys, bool y_f32, int64_t N, int64_t nb) {
+  __m256 lo[MB], hi[MB];
+#pragma GCC unroll 8
+  for (int m = 0; m < MB; ++m) lo[m] = hi[m] = _mm256_setzero_ps();
+  const __m256i* w = reinterpret_cast<const __m256i*>(wp + nb * K2 * 32);
+  for (int64_t kp = 0; kp < K2; ++kp, w += 2) {
+    const __m256i l0 = _mm256_loadu_si256(w), l1 = _mm256_loadu_si256(w + 1);
+    const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(l0, 16)), e1 = _mm256_castsi256_ps(_mm256_slli_epi32(l1, 16));
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) {
+      const __m256 xv = _mm256_broadcast_ss(xf + m * K + 2 * kp);
+      lo[m] = _mm256_fmadd_ps(xv, e0, lo[m]);
+      hi[m] = _mm256_fmadd_ps(xv, e1, hi[m]);
+    }
+    // W[n, k + 1]: clear the low half by two shifts (a mask would hold a 16th register and spill accumulators)
+    const __m256 o0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(l0, 16), 16));
+    const __m256 o1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(l1, 16), 16));
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) {
+      const __m256 xv = _mm256_broadcast_ss(xf + m * K + 2 * kp + 1);
+      lo[m] = _mm256_fmadd_ps(xv, o0, lo[m]);
+      hi[m] = _mm256_fmadd_ps(xv, o1, hi[m]);
+    }
+  }
+  const size_t esz = y_f32 ? sizeof(float) : sizeof(uint16_t);
+  const int64_t n0 = nb * 16, v0 = std::min<int64_t>(8, N - n0), v1 = std::min<int64_t>(8, N - n0 - 8);
+  const __m256 b0 = bias8(bias, n0, v0);
+#pragma GCC unroll 8
+  for (int m = 0; m < MB; ++m) store8(lo[m], b0, static_cast<char*>(y) + (m * ys + n0) * esz, y_f32, v0);
+  if (v1 <= 0) return;
+  const __m256 b1 = bias8(bias, n0 + 8, v1);
+#pragma GCC unroll 8
+  for (int m = 0; m < MB; ++m) store8(hi[m], b1, static_cast<char*>(y) + (m * ys + n0 + 8) * esz, y_f32, v1);
+}
+
+// Output blocks [nb0, nb1) for all M rows: rows in chunks whose fp32 copy fits half of L2 (widened once per
+// chunk), then for each block, the chunk's rows kMB2 at a time (the block's W, K x 32 bytes, stays in L1/L2).
+MINISGL_T256 void blocks_256(const uint16_t* x, int64_t xs, int64_t M, const uint16_t* wp, int64_t K2,
+                             const float* bias, void* y0, int64_t ys, bool y_f32, int64_t N, int64_t nb0, int64_t nb1) {
+  const int64_t K = 2 * K2;
+  const int64_t chunk = std::max<int64_t>(kMB2, (256 << 10) / (4 * K) / kMB2 * kMB2);
+  thread_local std::vector<float> buf;
+  buf.resize(static_cast<size_t>(std::min(chunk, M) * K));
+  const size_t esz = y_f32 ? sizeof(float) : sizeof(uint16_t);
+  for (int64_t c0 = 0; c0 < M; c0 += chunk) {
+    const int64_t rows = std::min(chunk, M - c0);
+    for (int64_t m = 0; m < rows; ++m) {  // widen the chunk's rows of x: bf16 -> fp32 by a shift
+      const uint16_t* src = x + (c0 + m) * xs;
+      float* dst = buf.data() + m * K;
+      int64_t k = 0;
+      for (; k + 8 <= K; k += 8)
+        _mm256_storeu_ps(dst + k, _mm256_castsi256_ps(_mm256_slli_epi32(
+                                      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k))), 16)));
+      for (; k < K; ++k) dst[k] = __builtin_bit_cast(float, uint32_t(src[k]) << 16);
+    }
+    char* yc = static_cast<char*>(y0) + c0 * ys * esz;
+    for (int64_t nb = nb0; nb < nb1; ++nb) {
+      int64_t m = 0;
+      for (; m + kMB2 <= rows; m += kMB2)
+        tile_256<kMB2>(buf.data() + m * K, K, wp, K2, bias, yc + m * ys * esz, ys, y_f32, N, nb);
+      switch (rows - m) {
+        case 1: tile_256<1>(buf.data() + m * K, K, wp, K2, bias, yc + m * ys * esz, ys, y_f32, N, nb); break;
+        case 2: tile_256<2>(buf.data() + m * K, K, wp, K2, bias, yc + m * ys * esz, ys, y_f32, N, nb); break;
+        case 3: tile_256<3>(buf.data() + m * K, K, wp, K2, bias, yc + m * ys * esz, ys, y_f32, N, nb); break;
+        case 4: tile_256<4>(buf.data() + m * K, K, wp, K2, bias, yc + m * ys * esz, ys, y_f32, N, nb); break;
+        case 5: tile_256<5>(buf.data() + m * K, K, wp, K2, bias, yc + m * ys * esz, ys, y_f32, N, nb); break;
+        default: break;
+      }
+    }
+  }
+}
 #endif
 
 }  // namespace
@@ -139,15 +269,26 @@ void run_tiles_part(const TilesPlan& p, const void* x, int64_t xs, int64_t M, vo
 #ifdef MINISGL_GEMM_X86
   TORCH_INTERNAL_ASSERT(yf != YFormat::f32, "linear_packed: writes bf16 values (as bf16 or fp32)");
   const int64_t nb0 = part * p.per, nb1 = std::min(p.nblk, nb0 + p.per);
-  if (nb0 < nb1)
-    blocks(static_cast<const uint16_t*>(x), xs, M, p.wp, p.K2, p.bias, y, ys, yf == YFormat::f32_bf16_rounded, p.N,
-           nb0, nb1);
+  if (nb0 >= nb1) return;
+  const bool y_f32 = yf == YFormat::f32_bf16_rounded;
+  if (tiles_isa() == TilesIsa::avx512bf16)
+    blocks(static_cast<const uint16_t*>(x), xs, M, p.wp, p.K2, p.bias, y, ys, y_f32, p.N, nb0, nb1);
+  else
+    blocks_256(static_cast<const uint16_t*>(x), xs, M, p.wp, p.K2, p.bias, y, ys, y_f32, p.N, nb0, nb1);
 #endif
 }
 
 }  // namespace cpu
 
-bool linear_packed_available() { return cpu::has_bf16_dot(); }
+bool linear_packed_available() { return cpu::tiles_isa() != cpu::TilesIsa::none; }
+
+std::string linear_packed_isa() {
+  switch (cpu::tiles_isa()) {
+    case cpu::TilesIsa::avx512bf16: return "avx512bf16";
+    case cpu::TilesIsa::avx2: return "avx2";
+    default: return "none";
+  }
+}
 
 at::Tensor pack_linear_weight(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && weight.device().is_cpu(),
@@ -165,7 +306,7 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
 at::Tensor linear_packed(const at::Tensor& x_in, const at::Tensor& packed, int64_t N,
                          const c10::optional<at::Tensor>& bias) {
   using namespace cpu;
-  TORCH_CHECK(linear_packed_available(), "linear_packed: needs a CPU with AVX512-BF16 (use linear_gemv or torch)");
+  TORCH_CHECK(linear_packed_available(), "linear_packed: needs a CPU with AVX2 and FMA (use linear_gemv or torch)");
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16 && x_in.device().is_cpu(),
               "linear_packed: x must be a bfloat16 CPU tensor [M, K], got ", x_in.sizes(), " ", x_in.scalar_type());
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 2 && packed.is_contiguous() &&
