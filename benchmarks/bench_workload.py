@@ -1,5 +1,5 @@
 """A mixed offline workload, minisgl against its peers in one run: 48 requests of random-token prompts of 40-300
-tokens, 64 new tokens each, greedy, EOS ignored, the default model (SmolLM2-135M-Instruct) in bf16.
+tokens, 64 new tokens each, greedy, EOS ignored, the default model (SmolLM2-135M-Instruct).
 
 - minisgl: `LLM()` with its defaults (bf16 where its bf16 kernels run, prefill-first rounds; its kernel plan
   measured or read from the cache first), and the same engine with mixed batches (`minisgl_mixed`); with
@@ -9,7 +9,7 @@ tokens, 64 new tokens each, greedy, EOS ignored, the default model (SmolLM2-135M
   bf16 and fp32 on this CPU (torch's bf16 matmul is a generic loop on a CPU without AVX-512, where fp32 is several
   times faster): a probe (8 prompts, 8 new tokens, each dtype) picks it, and the JSON keeps the probe's times;
 - llama.cpp through llama-cpp-python on the same GGUF file (Q4_1: llama.cpp runs it quantized, minisgl and HF
-  de-quantize it to bf16), one request after another (its Python API decodes one sequence at a time). It is
+  de-quantize it to their dtype), one request after another (its Python API decodes one sequence at a time). It is
   optional: `--llama-python PATH` names a Python that has `llama_cpp` (kept outside the repo, e.g. built with
   the issue's CMAKE_ARGS); without it, llama.cpp is reported as missing, with the reason.
 
@@ -63,9 +63,14 @@ def machine() -> dict:
         for line in open("/proc/cpuinfo"):
             k, _, v = line.partition(":")
             if k.strip() == "model name": model = v.strip()
-            if k.strip() == "flags": flags = sorted(f for f in v.split() if f.startswith(("avx512", "amx"))); break
+            if k.strip() == "flags":
+                flags = sorted(f for f in v.split() if f.startswith(("avx512", "amx")) or f in ("avx2", "fma")); break
     except OSError: pass
+    from minisgl import kernels
+    ext = kernels.native()
+    tiles = ext.linear_packed_isa() if ext is not None and hasattr(ext, "linear_packed_isa") else "none"
     return dict(cpu=model, flags=flags, cores=os.cpu_count(), threads=torch.get_num_threads(), torch=torch.__version__,
+                tiles=tiles,
                 date=datetime.datetime.now().isoformat(timespec="seconds"),
                 caps={k: os.environ.get(k, "") for k in ("ONEDNN_MAX_CPU_ISA", "MINISGL_CPU_ISA")})
 

@@ -37,7 +37,7 @@ _DTYPES = {'float32': torch.float32, 'fp32': torch.float32, 'bfloat16': torch.bf
 class EngineConfig:
     "How to build an `Engine`; validated on construction (a `ParamError` naming the field)."
     model: str | None = option(None, "Hugging Face model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)", metavar='PATH')
-    dtype: str = option('auto', "weights and KV dtype; auto: bfloat16 on GPUs and on CPUs where minisgl's bf16 kernels run (AVX2 and FMA), else float32",
+    dtype: str = option('auto', "weights and KV dtype; auto: bfloat16 on GPUs and on CPUs where bf16 matmuls are fast (minisgl's tiles: AVX2 and FMA; or AVX512-BF16, AMX), else float32",
                         choices=('auto', 'float32', 'bfloat16', 'float16'))
     device: str = option('auto', "auto, cpu, cuda or cuda:N; auto: cuda when available")
     max_seq_len: int | None = option(None, "context length in tokens (default: the model's)", flags=('--max-seq-len', '--context-length'), metavar='N')
@@ -105,9 +105,12 @@ def _resolve_device(device: str) -> torch.device:
     return d
 
 def cpu_has_fast_bf16() -> bool:
-    "True when minisgl's bf16 batch kernel (`linear_packed`) runs on this CPU: AVX2 and FMA, or AVX512-BF16."
+    "True when bf16 matmuls are fast here: our packed tiles run (the extension built, AVX2 and FMA), or oneDNN has bf16 dot products (AVX512-BF16, AMX)."
     ext = native()
-    return ext is not None and hasattr(ext, 'linear_packed_available') and ext.linear_packed_available()
+    if ext is not None and hasattr(ext, 'linear_packed_available') and ext.linear_packed_available(): return True
+    try: flags = Path('/proc/cpuinfo').read_text()
+    except OSError: return False
+    return ' amx_bf16' in flags or ' avx512_bf16' in flags
 
 def _resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype != 'auto': return _DTYPES[dtype]
@@ -227,7 +230,7 @@ class BatchLimits:
     "How many requests decode together and how many prompt tokens a prefill round computes, and why."
     max_running_reqs: int
     prefill_budget: int          # offline (`LLM`): prompt tokens per round, for throughput
-    serve_budget: int            # serving: tokens per mixed step, for the gaps between streamed tokens
+    serve_budget: int            # serving: tokens per mixed step (decode rows + a prompt chunk), for the gaps between tokens
     why: str = 'fixed defaults'
     rows_fitted: bool = False    # max_running_reqs read off a kernel plan (neither fixed nor configured)
 
@@ -250,7 +253,7 @@ def linear_seconds(plan: KernelPlan, shape: tuple[int, int], rows: int) -> float
     bucket = min((b for b in measured if b >= rows), default=max(measured))
     return measured[bucket] * max(1.0, rows / bucket)
 
-MIN_SERVE_CHUNK = 16   # prompt tokens per serving step at least (below it the matmuls' per-call costs dominate)
+MIN_SERVE_CHUNK = 16   # prompt tokens a full mixed step still takes, however slow the machine (prompts must move)
 
 def fit_limits(plan: KernelPlan, specs: dict, head: tuple[int, int], slack: float = 0.1,
                max_rows: int = 256, step_target: float = 0.1) -> BatchLimits:
@@ -263,13 +266,16 @@ def fit_limits(plan: KernelPlan, specs: dict, head: tuple[int, int], slack: floa
             total += spec.count * t
         return total
     decode = {b: forward(b, b) for b in ROW_BUCKETS if 8 <= b <= max_rows}
-    chunk = {b: forward(b, 1) for b in ROW_BUCKETS if b >= MIN_SERVE_CHUNK}
-    if not specs or None in decode.values() or None in chunk.values(): return FIXED_LIMITS
+    if not specs or None in decode.values(): return FIXED_LIMITS
     best = min(c / b for b, c in decode.items())   # the fewest rows whose cost per row is within slack of the best
     rows = min(b for b, c in decode.items() if c / b <= best * (1 + slack))
-    serve = max([b for b, c in chunk.items() if c <= step_target], default=MIN_SERVE_CHUNK)
-    return BatchLimits(rows, ROW_BUCKETS[-1], serve, f'kernel plan: matmuls of a {rows}-row decode step '
-                       f'{decode[rows] * 1e3:.0f} ms, of a {serve}-token serving step {chunk[serve] * 1e3:.0f} ms', True)
+    # a full mixed step: every running request's next token and a prompt chunk (the budget counts both)
+    mixed = {b: forward(rows + b, rows) for b in ROW_BUCKETS if b >= MIN_SERVE_CHUNK}
+    if None in mixed.values(): return FIXED_LIMITS
+    chunk = max([b for b, c in mixed.items() if c <= step_target], default=MIN_SERVE_CHUNK)
+    return BatchLimits(rows, ROW_BUCKETS[-1], rows + chunk, f'kernel plan: matmuls of a {rows}-row decode step '
+                       f'{decode[rows] * 1e3:.0f} ms, of a mixed step of {rows} rows + {chunk} prompt tokens '
+                       f'{mixed[chunk] * 1e3:.0f} ms', True)
 
 # %% ../nbs/08_engine.ipynb #9d1b5d4b
 @patch

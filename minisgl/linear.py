@@ -119,7 +119,7 @@ def run_linear(kernel: str, x: Tensor, w: Tensor, out_features: int, bias: Tenso
     raise ValueError(f'kernel must be one of {KERNELS}, got {kernel!r}')
 
 # %% ../nbs/04c_linear.ipynb #84e7cdd2
-PLAN_FORMAT = 1   # bumped when the plan file's layout or the way it is measured changes
+PLAN_FORMAT = 2   # bumped when the plan file's layout or the way it is measured changes
 
 def _cpu_model_and_flags() -> tuple[str, list[str]]:
     model, flags = platform.processor() or platform.machine(), []
@@ -152,7 +152,8 @@ def cpu_signature() -> dict:
 _COLD_BYTES = 64 << 20       # copies of a weight cycled through, so it is read from memory as in a real step
 _PASS_FLOPS = 2e9            # per timed pass: fewer copies for big calls
 _MAX_CALL_FLOPS = 8e9        # calls above this are not timed
-_HOPELESS = 4.0              # a candidate this many times slower than the best at one bucket is not timed past it
+_HOPELESS = 4.0              # a candidate this many times slower than the best at one bucket is not timed past it,
+_PRUNE_FROM = 16             # ... from this many rows on (below, memory-bound kernels may cross over later)
 
 
 def measure_linear(out_features: int, in_features: int, rows: list[int], copies: int = 1,
@@ -179,10 +180,10 @@ def measure_linear(out_features: int, in_features: int, rows: list[int], copies:
                 for w in wl[:use]: run_linear(kern, x, w, n)
                 if rep: samples[kern].append((time.perf_counter() - t0) / use)
         for kern in here: times[kern][m] = statistics.median(samples[kern])
-        best = min(times[kern][m] for kern in here)
-        lasting = [kern for kern in here if kernel_runs(kern, rows[-1], k)]   # the fastest that runs every bucket stays
-        keep = min(lasting, key=lambda kern: times[kern][m]) if lasting else None
-        kernels = [kern for kern in kernels if kern not in here or kern == keep or times[kern][m] < _HOPELESS * best]
+        lasting = [kern for kern in here if kernel_runs(kern, rows[-1], k)]   # those that run every bucket
+        if m >= _PRUNE_FROM and lasting:   # compute-bound sizes, where the order of the kernels holds as rows grow
+            best = min(times[kern][m] for kern in lasting)
+            kernels = [kern for kern in kernels if kern not in here or times[kern][m] < _HOPELESS * best]
     return {kern: t for kern, t in times.items() if t}
 
 # %% ../nbs/04c_linear.ipynb #b22e4f92

@@ -34,13 +34,37 @@ def test_rows_follow_the_measured_knee(knee):
     assert limits.prefill_budget == ROW_BUCKETS[-1]   # offline: the longest round measured
 
 
-@pytest.mark.parametrize("base,want", [(1e-3, 64), (1e-4, 1024), (2e-5, 2048), (2e-3, 32), (1e-2, 16)])
-def test_serving_chunk_keeps_a_step_under_the_target(base, want):
-    """The largest chunk whose matmuls fit 100 ms (at least 16 tokens): 30 layers of `base` seconds up to 32 rows,
-    then in proportion; faster machines get longer chunks, a machine slower than the target still 16."""
+@pytest.mark.parametrize("base,chunk", [(1e-3, 32), (1e-4, 512), (2e-5, 2048), (2e-3, 16), (1e-2, 16)])
+def test_serving_chunk_keeps_a_step_under_the_target(base, chunk):
+    """A full mixed step (the 32 fitted decode rows + the largest prompt chunk, at least 16 tokens) whose matmuls fit
+    100 ms: 30 layers of `base` seconds up to 32 rows, then in proportion; faster machines get longer chunks, a
+    machine slower than the target still 16 prompt tokens per step. The budget counts both."""
     limits = fit_limits(plan_with(32, base), SPECS, HEAD)
-    assert limits.serve_budget == want
-    assert fit_limits(plan_with(32, base), SPECS, HEAD, step_target=100.0).serve_budget == ROW_BUCKETS[-1]
+    assert limits.max_running_reqs == 32
+    assert limits.serve_budget == 32 + chunk
+    assert fit_limits(plan_with(32, base), SPECS, HEAD, step_target=100.0).serve_budget == 32 + ROW_BUCKETS[-1]
+
+
+def test_a_full_mixed_step_still_takes_prompt_tokens():
+    "The mixed policy counts decode rows in its budget: the served budget leaves at least MIN_SERVE_CHUNK for prompts."
+    from minisgl.core import SamplingParams
+    from minisgl.messages import UserMsg
+    from minisgl.scheduler import Scheduler, SchedulerConfig, ToyEngine
+    limits = fit_limits(plan_with(32, 1e-2), SPECS, HEAD)   # a slow machine: the minimum chunk
+    rows = limits.max_running_reqs
+    s = Scheduler(ToyEngine(num_pages=4096, page_size=4, max_seq_len=512),
+                  SchedulerConfig(max_running_reqs=rows, prefill_budget=limits.serve_budget, schedule_policy="mixed",
+                                  overlap=False))
+    sp = SamplingParams(max_tokens=400, ignore_eos=True)
+    for uid in range(rows - 1): s.submit(UserMsg(uid, [1 + uid % 31] * 8, sp))
+    for _ in range(50):
+        s.step()
+        if s.stats()["running"] == rows - 1: break
+    assert s.stats()["running"] == rows - 1   # every slot but one decoding
+    s.submit(UserMsg(999, [1 + i % 31 for i in range(100)], sp))   # a prompt that arrives into the last slot
+    s.step()
+    late = [r for r in s.live_reqs() if r.uid == 999]
+    assert late and late[0].device_len >= MIN_SERVE_CHUNK   # its first chunk ran beside the 31 decode rows
 
 
 def test_slack_and_bounds():
@@ -75,7 +99,7 @@ def test_engine_fits_its_limits_and_logs_them(caplog):
     want = fit_limits(eng.kernel_plan, eng.linear_specs, head).capped(eng.num_pages * eng.page_size)
     assert lim == want and lim.why.startswith("kernel plan")
     assert lim.max_running_reqs in ROW_BUCKETS and 8 <= lim.max_running_reqs <= 256
-    assert lim.prefill_budget == ROW_BUCKETS[-1] and lim.serve_budget in ROW_BUCKETS and lim.serve_budget >= MIN_SERVE_CHUNK
+    assert lim.prefill_budget == ROW_BUCKETS[-1] and lim.serve_budget - lim.max_running_reqs in ROW_BUCKETS and lim.serve_budget - lim.max_running_reqs >= MIN_SERVE_CHUNK
     assert any("batch limits" in r.getMessage() for r in caplog.records)
     # the pool is sized for the fitted rows: every one of them (and one more) can fill a whole context
     assert eng.num_pages <= (lim.max_running_reqs + 1) * 512 // eng.page_size

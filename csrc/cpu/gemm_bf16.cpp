@@ -14,7 +14,9 @@
 //       fp32, so one 32-byte load of a line's half gives W[n, k] as fp32 by a 16-bit shift left and W[n, k+1]
 //       by clearing its low half (two shifts); each is multiplied with a broadcast fp32 x[m, k] by FMA. A block of 6 rows
 //       of x times one line (2 vectors of 8 outputs) keeps 12 accumulators of the 16 registers; x is widened
-//       to fp32 once per chunk of rows that fits L2, and each line of W serves the whole chunk from L1;
+//       to fp32 once per chunk of rows (256 KB of fp32, half of a common L2), and one block of W (K x 32 bytes)
+//       serves the chunk's rows from L1 while it fits there (K up to ~1000), else from L2; W is read from
+//       memory once per chunk;
 //   - the outputs of a block come out as whole vectors: bias added, rounded to bf16 (nearest even, as torch
 //     rounds), stored (masked at the edge);
 //   - threads take contiguous ranges of output blocks, so each reads its own part of W.
@@ -210,8 +212,8 @@ MINISGL_T256 inline void tile_256(const float* xf, int64_t K, const uint16_t* wp
   for (int m = 0; m < MB; ++m) store8(hi[m], b1, static_cast<char*>(y) + (m * ys + n0 + 8) * esz, y_f32, v1);
 }
 
-// Output blocks [nb0, nb1) for all M rows: rows in chunks whose fp32 copy fits half of L2 (widened once per
-// chunk), then for each block, the chunk's rows kMB2 at a time (the block's W, K x 32 bytes, stays in L1/L2).
+// Output blocks [nb0, nb1) for all M rows: rows in chunks of 256 KB of fp32 (widened once per chunk), then for
+// each block, the chunk's rows kMB2 at a time (the block's W, K x 32 bytes, stays in L1, or L2 past K ~ 1000).
 MINISGL_T256 void blocks_256(const uint16_t* x, int64_t xs, int64_t M, const uint16_t* wp, int64_t K2,
                              const float* bias, void* y0, int64_t ys, bool y_f32, int64_t N, int64_t nb0, int64_t nb1) {
   const int64_t K = 2 * K2;

@@ -53,7 +53,7 @@ enum class YFormat { f32, bf16, f32_bf16_rounded };
 void run_gemv_part(const GemvPlan& p, const void* x, int64_t xs, bool x_bf16, void* y, int64_t ys, YFormat yf,
                    int64_t part);
 
-// The batch kernel over packed weights (gemm_bf16.cpp, AVX512-BF16): W packed by pack_linear_weight as
+// The batch kernel over packed weights (gemm_bf16.cpp: AVX512-BF16, else AVX2 + FMA): W packed by pack_linear_weight as
 // [nblk = ceil(N/16), K2 = K/2, 16, 2], split into `parts` contiguous ranges of output blocks.
 struct TilesPlan {
   const uint16_t* wp = nullptr;
