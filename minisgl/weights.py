@@ -240,8 +240,15 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device
 # %% ../nbs/06_weights.ipynb #8cb7047f
 def load_tokenizer(model: str | Path | None = None):
     "The HF tokenizer of `model`, named as `resolve_model` takes it (None: the embedded default model)."
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(resolve_model(model, progress=False)))
+    import transformers
+    d = resolve_model(model, progress=False)
+    tc = json.loads((d / 'tokenizer_config.json').read_text()) if (d / 'tokenizer_config.json').is_file() else {}
+    backend = getattr(transformers, 'TokenizersBackend', None) if tc.get('tokenizer_class') == 'TokenizersBackend' else None
+    if backend is not None and 'auto_map' not in tc:
+        # the class transformers saved (a conversion's folder): AutoTokenizer would pick it too, after ~4 s
+        # of reading the model config and its tables, and every server process loads a tokenizer
+        return backend.from_pretrained(str(d))
+    return transformers.AutoTokenizer.from_pretrained(str(d))
 
 def eos_token_ids(model_dir: str | Path, tokenizer=None) -> list[int]:
     "All end-of-sequence ids named by the generation config, the model config and the tokenizer."

@@ -25,7 +25,7 @@ echo "== 2/3 every notebook runs on this machine (cells flagged gpu run only wit
 flags=""
 if python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then flags="--flags gpu"; fi
 # shellcheck disable=SC2086
-nbdev_test --n_workers 1 --timing $flags
+nbdev_test --n_workers 2 --timing $flags
 
 echo "== 3/3 pytest tests/ (tests/test_kernels.py also compiles every CUDA source with nvcc)"
 python -m pytest tests/ -q -p no:cacheprovider "$@"

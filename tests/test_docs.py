@@ -2,10 +2,12 @@
 
 Builds into temporary folders, never into docs/: every notebook must become a page, a backticked
 name must become a link to its API heading, and stored outputs (a figure, printed text) must be on
-the page. A second, tiny build checks that rebuilding gives the same files."""
+the page. The site is built once a session (`docs_site`, tests/conftest.py) and also opened in a browser by
+tests/test_site_browser.py. A second, tiny build checks that rebuilding gives the same files."""
 import base64
 import html
 import json
+import os
 import re
 import shutil
 import struct
@@ -61,27 +63,33 @@ def _check_notebook(symbols) -> dict:
 
 def _build(nbs: Path, out: Path, work: Path):
     r = subprocess.run([sys.executable, str(BUILD), "--nbs", str(nbs), "--out", str(out), "--work", str(work)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+                       cwd=ROOT, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
     assert r.returncode == 0, f"build_docs.py failed:\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
     return r
+
+
+def build_site(tmp: Path) -> tuple[list[Path], Path]:
+    """A copy of nbs/ plus the check notebook, built into `tmp`/site: (the copied notebooks but the check one, the
+    site). Built once a session (tests/conftest.py's `docs_site`), for this file and tests/test_site_browser.py."""
+    nbs = tmp / "nbs"
+    shutil.copytree(ROOT / "nbs", nbs, ignore=shutil.ignore_patterns(".ipynb_checkpoints", "_proc"))
+    notebooks = sorted(p for p in nbs.glob("*.ipynb") if not p.name.startswith(("_", ".")))
+    assert notebooks, "no notebooks in nbs/"
+    built = {_page_name(p) for p in notebooks}
+    symbols = [s for s in _symbols() if s[1] in built]
+    assert symbols, "nbdev's index (minisgl/_modidx.py) has no public symbol of any notebook"
+    (nbs / "zz_docs_check.ipynb").write_text(json.dumps(_check_notebook(symbols)))
+    _build(nbs, tmp / "site", tmp / "work")
+    return notebooks, tmp / "site"
 
 
 def _tree(d: Path) -> dict:
     return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
 
 
-def test_site_from_the_notebooks(tmp_path):
-    notebooks = sorted(p for p in (ROOT / "nbs").glob("*.ipynb") if not p.name.startswith(("_", ".")))
-    assert notebooks, "no notebooks in nbs/"
-    built = {_page_name(p) for p in notebooks}
-    symbols = [s for s in _symbols() if s[1] in built]
-    assert symbols, "nbdev's index (minisgl/_modidx.py) has no public symbol of any notebook"
-    nbs = tmp_path / "nbs"
-    shutil.copytree(ROOT / "nbs", nbs, ignore=shutil.ignore_patterns(".ipynb_checkpoints", "_proc"))
-    (nbs / "zz_docs_check.ipynb").write_text(json.dumps(_check_notebook(symbols)))
-    out = tmp_path / "site"
-    _build(nbs, out, tmp_path / "work")
-
+def test_site_from_the_notebooks(docs_site):
+    notebooks, out = docs_site
     assert (out / ".nojekyll").exists() and (out / "index.html").exists()
     assert not (out / ".doctrees").exists() and not (out / ".buildinfo").exists()
     # every notebook is a page, under nbdev's name for it (04_kernels.ipynb -> kernels.html),

@@ -1,4 +1,5 @@
-"""The documentation site as a reader sees it: built from nbs/ into a temporary folder, served on a
+"""The documentation site as a reader sees it: built from nbs/ into a temporary folder (once a session, with
+tests/test_docs.py's check notebook: `docs_site` in tests/conftest.py), served on a
 loopback port, opened in headless Chromium (Debian's, installed by scripts/setup_browser.sh; driven
 by Playwright, whose own browser download is never used).
 
@@ -11,8 +12,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 import threading
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
@@ -20,7 +19,6 @@ from urllib.parse import unquote, urlsplit
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-BUILD = ROOT / "scripts" / "build_docs.py"
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 WIDTH, HEIGHT = 1280, 800
@@ -77,25 +75,15 @@ def _expected(nb: Path):
 
 
 @pytest.fixture(scope="module")
-def notebooks(tmp_path_factory):
-    "A copy of nbs/ taken once: the site and what it must show come from the same notebooks."
-    nbs = tmp_path_factory.mktemp("nbs") / "nbs"
-    shutil.copytree(ROOT / "nbs", nbs, ignore=shutil.ignore_patterns(".ipynb_checkpoints", "_proc"))
-    found = sorted(p for p in nbs.glob("*.ipynb") if not p.name.startswith(("_", ".")))
-    assert found, "no notebooks in nbs/"
-    return found
+def notebooks(docs_site):
+    "The notebooks the site was built from (a copy of nbs/ and tests/test_docs.py's check notebook)."
+    return sorted(p for p in docs_site[0][0].parent.glob("*.ipynb") if not p.name.startswith(("_", ".")))
 
 
 @pytest.fixture(scope="module")
-def site(tmp_path_factory, notebooks):
-    "The site, built once (never into docs/) and served on a free loopback port."
-    tmp = tmp_path_factory.mktemp("site")
-    out = tmp / "site"
-    r = subprocess.run([sys.executable, str(BUILD), "--nbs", str(notebooks[0].parent), "--out", str(out),
-                        "--work", str(tmp / "work")],
-                       cwd=ROOT, capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
-    assert r.returncode == 0, f"build_docs.py failed:\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
+def site(docs_site):
+    "The site, built once a session (tests/conftest.py, never into docs/) and served on a free loopback port."
+    out = docs_site[1]
 
     class Quiet(http.server.SimpleHTTPRequestHandler):
         def log_message(self, *args): pass
