@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
+import mmap
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterable, Literal
@@ -17,10 +19,17 @@ from fastcore.basics import patch
 from .core import Req, check_choice, check_int
 
 # %% auto #0
-__all__ = ['KVPool', 'PageAllocator', 'TableManager', 'CacheHandle', 'NaivePrefixCache', 'RadixNode', 'RadixPrefixCache',
-           'kv_slots_needed', 'CacheManager', 'draw_kv_occupancy']
+__all__ = ['zeros_on_demand', 'KVPool', 'PageAllocator', 'TableManager', 'CacheHandle', 'NaivePrefixCache', 'RadixNode',
+           'RadixPrefixCache', 'kv_slots_needed', 'CacheManager', 'draw_kv_occupancy']
 
 # %% ../nbs/01_kvcache.ipynb #6c9ade87
+def zeros_on_demand(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    "A CPU tensor of zeros in private anonymous memory: the OS gives each page, zeroed, when it is first touched."
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(buf, dtype=dtype).view(shape)     # the tensor keeps `buf` alive
+
+
 class KVPool:
     "K and V for every layer: `kv_buffer[2, num_layers, num_pages, page_size, num_kv_heads, head_dim]`."
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
@@ -28,7 +37,9 @@ class KVPool:
         for name, v in dict(num_layers=num_layers, num_pages=num_pages, page_size=page_size,
                             num_kv_heads=num_kv_heads, head_dim=head_dim).items(): check_int(name, v)
         self.num_layers, self.num_pages, self.page_size = num_layers, num_pages, page_size
-        self.kv_buffer = torch.zeros(2, num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+        shape = (2, num_layers, num_pages, page_size, num_kv_heads, head_dim)
+        on_cpu = torch.device(device).type == 'cpu' and hasattr(mmap, 'MAP_PRIVATE')
+        self.kv_buffer = zeros_on_demand(shape, dtype) if on_cpu else torch.zeros(shape, dtype=dtype, device=device)
 
     @property
     def num_slots(self) -> int: return self.num_pages * self.page_size
