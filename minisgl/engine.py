@@ -108,9 +108,8 @@ def cpu_has_fast_bf16() -> bool:
     "True when bf16 matmuls are fast here: our packed tiles run (the extension built, AVX2 and FMA), or oneDNN has bf16 dot products (AVX512-BF16, AMX)."
     ext = native()
     if ext is not None and hasattr(ext, 'linear_packed_available') and ext.linear_packed_available(): return True
-    try: flags = Path('/proc/cpuinfo').read_text()
-    except OSError: return False
-    return ' amx_bf16' in flags or ' avx512_bf16' in flags
+    from minisgl.linear import _cpu_model_and_flags   # the kernel plan's reading of /proc/cpuinfo
+    return bool({'amx_bf16', 'avx512_bf16'} & set(_cpu_model_and_flags()[1]))
 
 def _resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype != 'auto': return _DTYPES[dtype]
