@@ -18,7 +18,7 @@ from .kvcache import KVPool
 from .linear import (KERNELS, ROW_BUCKETS, KernelPlan, PackedLinear, can_pack_linears, kernel_plan, linear_specs,
                             pack_linears)
 from .models import CausalLM, ForwardContext, ModelConfig
-from .scheduler import ModelRunner, SchedulerConfig
+from .scheduler import MIN_PROMPT_CHUNK, ModelRunner, SchedulerConfig
 from .sampling import SamplingBatch, sample
 from .weights import (eos_token_ids, load_hf_config, load_model, load_tokenizer, model_problem, resolve_model,
                              sampling_defaults)
@@ -26,7 +26,7 @@ from .weights import (eos_token_ids, load_hf_config, load_model, load_tokenizer,
 logger = logging.getLogger('minisgl.engine')
 
 # %% auto #0
-__all__ = ['logger', 'PLANNED_ROWS', 'FIXED_LIMITS', 'MIN_SERVE_CHUNK', 'EngineConfig', 'cpu_has_fast_bf16', 'free_memory',
+__all__ = ['logger', 'PLANNED_ROWS', 'SERVE_ITL_TARGET', 'FIXED_LIMITS', 'EngineConfig', 'cpu_has_fast_bf16', 'free_memory',
            'Engine', 'model_linear_specs', 'BatchLimits', 'linear_seconds', 'fit_limits', 'EngineArgs']
 
 # %% ../nbs/08_engine.ipynb #2a257558
@@ -239,6 +239,8 @@ class BatchLimits:
         if not self.rows_fitted or self.max_running_reqs <= rows: return self
         return replace(self, max_running_reqs=rows, why=f'{self.why}; rows capped by a pool of {pool_tokens} tokens')
 
+SERVE_ITL_TARGET = 0.15   # seconds a served mixed step may last, measured (chapter `scheduler`): a p99 gap under 200 ms, with room for noise
+
 # without a plan: the scheduler's own defaults
 FIXED_LIMITS = BatchLimits(SchedulerConfig.max_running_reqs, SchedulerConfig.prefill_budget, SchedulerConfig.prefill_budget)
 
@@ -251,8 +253,6 @@ def linear_seconds(plan: KernelPlan, shape: tuple[int, int], rows: int) -> float
     if not measured: return None
     bucket = min((b for b in measured if b >= rows), default=max(measured))
     return measured[bucket] * max(1.0, rows / bucket)
-
-MIN_SERVE_CHUNK = 16   # prompt tokens a full mixed step still takes, however slow the machine (prompts must move)
 
 def fit_limits(plan: KernelPlan, specs: dict, head: tuple[int, int], slack: float = 0.1,
                max_rows: int = 256, step_target: float = 0.1) -> BatchLimits:
@@ -269,9 +269,9 @@ def fit_limits(plan: KernelPlan, specs: dict, head: tuple[int, int], slack: floa
     best = min(c / b for b, c in decode.items())   # the fewest rows whose cost per row is within slack of the best
     rows = min(b for b, c in decode.items() if c / b <= best * (1 + slack))
     # a full mixed step: every running request's next token and a prompt chunk (the budget counts both)
-    mixed = {b: forward(rows + b, rows) for b in ROW_BUCKETS if b >= MIN_SERVE_CHUNK}
+    mixed = {b: forward(rows + b, rows) for b in ROW_BUCKETS if b >= MIN_PROMPT_CHUNK}
     if None in mixed.values(): return FIXED_LIMITS
-    chunk = max([b for b, c in mixed.items() if c <= step_target], default=MIN_SERVE_CHUNK)
+    chunk = max([b for b, c in mixed.items() if c <= step_target], default=MIN_PROMPT_CHUNK)
     return BatchLimits(rows, ROW_BUCKETS[-1], rows + chunk, f'kernel plan: matmuls of a {rows}-row decode step '
                        f'{decode[rows] * 1e3:.0f} ms, of a mixed step of {rows} rows + {chunk} prompt tokens '
                        f'{mixed[chunk] * 1e3:.0f} ms', True)
@@ -303,13 +303,16 @@ class EngineArgs(EngineConfig):
                                          choices=('prefill_first', 'mixed'))
     clip_max_tokens: bool = option(SchedulerConfig.clip_max_tokens, "shorten a max_tokens that the context or the KV pool cannot "
                                    "hold to what they leave (mini-sglang's behaviour) instead of refusing the request")
+    itl_target: float | None = option(None, "mixed batches: seconds a step may take while requests stream; the scheduler times "
+                                            "its steps and gives prompts fewer tokens when they run longer (default: "
+                                            f"{SERVE_ITL_TARGET} for serve, none for LLM and shell)", metavar='S')
 
     def __post_init__(self):
         super().__post_init__()
         if self.model is not None: check((why := model_problem(self.model)) is None, 'model', why)   # before any process loads it
         check_int('prefill_budget', self.prefill_budget, optional=True)
         SchedulerConfig(cache=self.cache, overlap=self.overlap, schedule_policy=self.schedule_policy or 'prefill_first',
-                        clip_max_tokens=self.clip_max_tokens)  # its rules
+                        clip_max_tokens=self.clip_max_tokens, itl_target=self.itl_target)  # its rules
 
     def scheduler_config(self, engine: ModelRunner | None = None, serving: bool = False) -> SchedulerConfig:
         "The scheduler's config: what these args set, else the limits `engine` fitted (an `Engine`; else the fixed ones)."
@@ -318,7 +321,8 @@ class EngineArgs(EngineConfig):
                                prefill_budget=self.prefill_budget or (limits.serve_budget if serving else limits.prefill_budget),
                                cache=self.cache, overlap=self.overlap,
                                schedule_policy=self.schedule_policy or ('mixed' if serving else 'prefill_first'),
-                               clip_max_tokens=self.clip_max_tokens)
+                               clip_max_tokens=self.clip_max_tokens,
+                               itl_target=self.itl_target or (SERVE_ITL_TARGET if serving else None))
 
     @property
     def model_name(self) -> str:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
+from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Literal, Protocol
@@ -16,15 +18,15 @@ import torch
 from fastcore.basics import patch
 
 from .core import (Batch, ChunkedReq, ForwardOutput, ParamError, Req, SamplingParams, check, check_choice, check_int,
-                          check_prompt, first_stop)
+                          check_number, check_prompt, first_stop)
 from .kvcache import CacheHandle, CacheManager, TableManager, kv_slots_needed
 from .messages import AbortMsg, TokenOutput, UserMsg
 
 logger = logging.getLogger('minisgl.scheduler')
 
 # %% auto #0
-__all__ = ['logger', 'Refusal', 'SchedulerConfig', 'ModelRunner', 'ToyEngine', 'DecodeManager', 'PendingReq', 'PrefillAdder',
-           'PrefillManager', 'Scheduler']
+__all__ = ['logger', 'Refusal', 'MIN_PROMPT_CHUNK', 'SchedulerConfig', 'ModelRunner', 'ToyEngine', 'DecodeManager', 'PendingReq',
+           'PrefillAdder', 'PrefillManager', 'Scheduler', 'StepCost']
 
 # %% ../nbs/02_scheduler.ipynb #738fa41b
 @dataclass
@@ -36,9 +38,11 @@ class SchedulerConfig:
     overlap: bool = False             # process round N's results while round N+1 runs
     schedule_policy: Literal['prefill_first', 'mixed'] = 'prefill_first'   # the tutorial's, or mixed batches (below)
     clip_max_tokens: bool = False     # shorten a max_tokens the context or pool cannot hold (mini-sglang's way) instead of refusing
+    itl_target: float | None = None   # mixed: seconds a step may take while streams wait for tokens (measured); None: the budget alone
 
     def __post_init__(self):
         check_int('max_running_reqs', self.max_running_reqs); check_int('prefill_budget', self.prefill_budget)
+        if self.itl_target is not None: check_number('itl_target', self.itl_target, 'a number of seconds > 0 or None', lambda v: v > 0)
         check_choice('cache', self.cache, ('radix', 'naive'))
         check(isinstance(self.overlap, bool), 'overlap', f'must be True or False, got {self.overlap!r}')
         check_choice('schedule_policy', self.schedule_policy, ('prefill_first', 'mixed'))
@@ -228,6 +232,8 @@ class Scheduler:
         self._inflight: tuple[Batch, Future] | None = None   # overlap: the batch launched and not yet processed
         self._deferred_rows: list[int] = []                   # freed rows the in-flight batch may still write
         self._stop = threading.Event()
+        self.clock: Callable[[], float] = time.perf_counter    # times forwards (a test may give a fake clock)
+        self.step_cost: StepCost | None = None                 # forwards timed, once a mixed batch has a time target
         # constrained output (chapter `grammar`): requests whose grammar is compiling, and each running one's matcher
         self.grammar_waiting: list[tuple[PendingReq, Future]] = []
         self.matchers: dict[int, Any] = {}
@@ -297,8 +303,11 @@ def _run_engine(self: Scheduler, batch: Batch, emits: torch.Tensor) -> ForwardOu
     pool = self.table_manager.token_pool
     rows = batch.table_idx.long()
     batch.input_ids = pool[rows.repeat_interleave(batch.extend_lens.long()), batch.positions].long()
+    start = self.clock()
     try: output = self.engine.forward_batch(batch)
     except Exception as e: output = self._forward_each(batch, e)    # one request's fault must not fail the others
+    else:
+        if self.step_cost is not None: self.step_cost.add(len(batch.input_ids), self.clock() - start)
     if output.errors: emits = emits.clone(); emits[list(output.errors)] = False      # a failed request gets no token
     pool[rows[emits], batch.seq_lens.long()[emits]] = output.next_tokens.to(pool)[emits]
     return output
@@ -594,7 +603,52 @@ def stats(self: Scheduler, integrity: bool = False) -> dict:
 def _mixed_batch(self: Scheduler) -> Batch | None:
     "The running requests' next tokens and, within the rest of the token budget, waiting prompts: one batch."
     decode = self.decode_manager.schedule_next_batch()
-    budget = self.config.prefill_budget - (len(decode.reqs) if decode else 0)
+    budget = self.config.prefill_budget
+    if decode and self.config.itl_target: budget = self._timed_budget(len(decode.reqs))   # "Steps that keep to a time"
+    budget -= len(decode.reqs) if decode else 0
     prefill = self.prefill_manager.schedule_next_batch(budget) if budget > 0 else None
     if prefill is None or decode is None: return prefill or decode
     return Batch(prefill.reqs + decode.reqs, 'prefill')
+
+# %% ../nbs/02_scheduler.ipynb #ad5f6e79
+MIN_PROMPT_CHUNK = 16   # prompt tokens a mixed step takes however slow its forwards: prompts must move
+
+@dataclass
+class StepCost:
+    "A forward's seconds as `fixed + per_token * tokens`, fitted by least squares to the last `window` forwards timed."
+    window: int = 64
+    samples: deque = field(default_factory=deque)       # (tokens, seconds), oldest first
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)   # the overlap loop adds from its engine thread
+
+    def add(self, tokens: int, seconds: float) -> None:
+        with self.lock:
+            self.samples.append((tokens, seconds))
+            if len(self.samples) > self.window: self.samples.popleft()
+
+    def fit(self) -> tuple[float, float] | None:
+        "(fixed, per_token) seconds; None before any forward was timed."
+        with self.lock: samples = list(self.samples)
+        if not samples: return None
+        n = len(samples)
+        mean_t, mean_s = sum(t for t, _ in samples) / n, sum(s for _, s in samples) / n
+        var = sum((t - mean_t) ** 2 for t, _ in samples)
+        slope = sum((t - mean_t) * (s - mean_s) for t, s in samples) / var if var else 0.0
+        fixed = mean_s - slope * mean_t
+        # one size seen, or noise that makes no line: all of the cost per token (it overstates a step's cost, never understates)
+        if slope <= 0 or fixed < 0: return 0.0, mean_s / mean_t
+        return fixed, slope
+
+    def tokens_within(self, seconds: float) -> int | None:
+        "The most tokens a forward may hold to last at most `seconds`, by the fit; None before any forward was timed."
+        if (f := self.fit()) is None: return None
+        fixed, per_token = f
+        return int((seconds - fixed) / per_token)
+
+# %% ../nbs/02_scheduler.ipynb #eaefdcc4
+@patch
+def _timed_budget(self: Scheduler, rows: int) -> int:
+    "Tokens of a mixed step beside `rows` decoding requests: what the timed forwards say runs within `itl_target`, in bounds."
+    if self.step_cost is None: self.step_cost = StepCost()   # time the forwards from now on
+    fits = self.step_cost.tokens_within(self.config.itl_target)
+    if fits is None: return self.config.prefill_budget
+    return min(self.config.prefill_budget, max(fits, rows + MIN_PROMPT_CHUNK))   # the configured budget stays the cap

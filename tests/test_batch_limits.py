@@ -7,8 +7,9 @@ import logging
 import pytest
 import torch
 
-from minisgl.engine import FIXED_LIMITS, MIN_SERVE_CHUNK, BatchLimits, Engine, EngineConfig, fit_limits, linear_seconds
+from minisgl.engine import FIXED_LIMITS, BatchLimits, Engine, EngineConfig, fit_limits, linear_seconds
 from minisgl.linear import ROW_BUCKETS, KernelPlan, LinearSpec, can_pack_linears
+from minisgl.scheduler import MIN_PROMPT_CHUNK
 
 LAYER, HEAD = (576, 576), (1000, 576)
 needs_plan = pytest.mark.skipif(not can_pack_linears(torch.device("cpu"), torch.bfloat16),
@@ -46,7 +47,7 @@ def test_serving_chunk_keeps_a_step_under_the_target(base, chunk):
 
 
 def test_a_full_mixed_step_still_takes_prompt_tokens():
-    "The mixed policy counts decode rows in its budget: the served budget leaves at least MIN_SERVE_CHUNK for prompts."
+    "The mixed policy counts decode rows in its budget: the served budget leaves at least MIN_PROMPT_CHUNK for prompts."
     from minisgl.core import SamplingParams
     from minisgl.messages import UserMsg
     from minisgl.scheduler import Scheduler, SchedulerConfig, ToyEngine
@@ -64,7 +65,7 @@ def test_a_full_mixed_step_still_takes_prompt_tokens():
     s.submit(UserMsg(999, [1 + i % 31 for i in range(100)], sp))   # a prompt that arrives into the last slot
     s.step()
     late = [r for r in s.live_reqs() if r.uid == 999]
-    assert late and late[0].device_len >= MIN_SERVE_CHUNK   # its first chunk ran beside the 31 decode rows
+    assert late and late[0].device_len >= MIN_PROMPT_CHUNK   # its first chunk ran beside the 31 decode rows
 
 
 def test_slack_and_bounds():
@@ -99,7 +100,7 @@ def test_engine_fits_its_limits_and_logs_them(caplog):
     want = fit_limits(eng.kernel_plan, eng.linear_specs, head).capped(eng.num_pages * eng.page_size)
     assert lim == want and lim.why.startswith("kernel plan")
     assert lim.max_running_reqs in ROW_BUCKETS and 8 <= lim.max_running_reqs <= 256
-    assert lim.prefill_budget == ROW_BUCKETS[-1] and lim.serve_budget - lim.max_running_reqs in ROW_BUCKETS and lim.serve_budget - lim.max_running_reqs >= MIN_SERVE_CHUNK
+    assert lim.prefill_budget == ROW_BUCKETS[-1] and lim.serve_budget - lim.max_running_reqs in ROW_BUCKETS and lim.serve_budget - lim.max_running_reqs >= MIN_PROMPT_CHUNK
     assert any("batch limits" in r.getMessage() for r in caplog.records)
     # the pool is sized for the fitted rows: every one of them (and one more) can fill a whole context
     assert eng.num_pages <= (lim.max_running_reqs + 1) * 512 // eng.page_size

@@ -71,7 +71,9 @@ def scenarios(draw, overlap: bool, policy: str = 'prefill_first') -> Scenario:
         arrivals.append(Arrival(uid, arrive, prompt, params, abort))
     config = SchedulerConfig(max_running_reqs=draw(st.integers(1, 4)), prefill_budget=draw(st.integers(1, 32)),
                              cache=draw(st.sampled_from(['radix', 'radix', 'naive'])), overlap=overlap,
-                             schedule_policy=policy)
+                             schedule_policy=policy,
+                             # mixed: no time target, one every step misses (the least prompt a step takes), one that holds
+                             itl_target=draw(st.sampled_from([None, 1e-9, 1.0])) if policy == 'mixed' else None)
     return Scenario(page_size, draw(st.integers(12 // page_size, 48 // page_size)), vocab,
                     draw(st.sampled_from([(0,), ()])), config, tuple(arrivals))
 
