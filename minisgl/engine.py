@@ -255,7 +255,7 @@ def linear_seconds(plan: KernelPlan, shape: tuple[int, int], rows: int) -> float
     return measured[bucket] * max(1.0, rows / bucket)
 
 def fit_limits(plan: KernelPlan, specs: dict, head: tuple[int, int], slack: float = 0.1,
-               max_rows: int = 256, step_target: float = 0.1) -> BatchLimits:
+               max_rows: int = 256, step_target: float = SERVE_ITL_TARGET) -> BatchLimits:
     "Decode rows where the plan's cost per row stops falling by more than `slack`; chunks whose matmuls fit `step_target`."
     def forward(rows, head_rows):   # seconds of one forward's linears (the LM head sees one row per request)
         total = 0.0
@@ -293,7 +293,7 @@ def _fit_limits(self: Engine) -> BatchLimits:
 class EngineArgs(EngineConfig):
     "The engine's config and the scheduler's knobs: what `LLM`, `minisgl serve` and the shell take."
     prefill_budget: int | None = option(None, "prompt tokens per prefill step; longer prompts are chunked (default: fitted: serve "
-                                              "keeps a step's matmuls under 100 ms, LLM and shell take 2048)",
+                                              "keeps a step's matmuls under --itl-target, LLM and shell take 2048)",
                                         flags=('--prefill-budget', '--max-prefill-tokens'), metavar='N')
     cache: str = option(SchedulerConfig.cache, "prefix cache: radix shares prompt prefixes, naive does not", choices=('radix', 'naive'))
     overlap: bool = option(SchedulerConfig.overlap, "overlap scheduling: prepare the next batch while the model runs")

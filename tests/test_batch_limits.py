@@ -40,7 +40,7 @@ def test_serving_chunk_keeps_a_step_under_the_target(base, chunk):
     """A full mixed step (the 32 fitted decode rows + the largest prompt chunk, at least 16 tokens) whose matmuls fit
     100 ms: 30 layers of `base` seconds up to 32 rows, then in proportion; faster machines get longer chunks, a
     machine slower than the target still 16 prompt tokens per step. The budget counts both."""
-    limits = fit_limits(plan_with(32, base), SPECS, HEAD)
+    limits = fit_limits(plan_with(32, base), SPECS, HEAD, step_target=0.1)
     assert limits.max_running_reqs == 32
     assert limits.serve_budget == 32 + chunk
     assert fit_limits(plan_with(32, base), SPECS, HEAD, step_target=100.0).serve_budget == 32 + ROW_BUCKETS[-1]
