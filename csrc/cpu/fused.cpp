@@ -76,6 +76,13 @@ void for_rows(int64_t rows, F&& f) {
   }
 }
 
+// The variant of a row kernel compiled for the ISA the attention kernels run (isa.h; MINISGL_CPU_ISA caps all).
+template <typename Fn>
+Fn for_isa(Fn avx512, Fn avx2, Fn base) {
+  const cpu::Isa isa = cpu::best_isa();
+  return isa >= cpu::Isa::avx512 ? avx512 : isa == cpu::Isa::avx2 ? avx2 : base;
+}
+
 // norm_row for bf16 on raw bits, so that both passes vectorise (with c10::BFloat16 they stayed scalar: 2048 rows
 // of 576 took ~1.2 ms, ~10% of a prefill). With `res`, first res = bf16(x + res) and the norm is of that sum.
 // `out` may be `x` (in place): x is read in the first pass only.
@@ -120,10 +127,7 @@ void norm_row_base(const uint16_t* x, uint16_t* res, const uint16_t* w, uint16_t
 
 NormRowFn pick_norm_row() {
 #if defined(__GNUC__) && defined(__x86_64__)
-  static const NormRowFn f = [] {
-    const cpu::Isa isa = cpu::best_isa();  // as the SiLU row below: the attention kernels' choice (isa.h)
-    return isa >= cpu::Isa::avx512 ? norm_row_avx512 : isa == cpu::Isa::avx2 ? norm_row_avx2 : norm_row_base;
-  }();
+  static const NormRowFn f = for_isa<NormRowFn>(norm_row_avx512, norm_row_avx2, norm_row_base);
   return f;
 #else
   return norm_row_base;
@@ -240,10 +244,7 @@ void silu_row_base(const uint16_t* g, const uint16_t* u, uint16_t* o, int64_t n)
 
 SiluRowFn pick_silu_row() {
 #if defined(__GNUC__) && defined(__x86_64__)
-  static const SiluRowFn f = [] {
-    const cpu::Isa isa = cpu::best_isa();  // the attention kernels' choice (isa.h; MINISGL_CPU_ISA caps both)
-    return isa >= cpu::Isa::avx512 ? silu_row_avx512 : isa == cpu::Isa::avx2 ? silu_row_avx2 : silu_row_base;
-  }();
+  static const SiluRowFn f = for_isa<SiluRowFn>(silu_row_avx512, silu_row_avx2, silu_row_base);
   return f;
 #else
   return silu_row_base;
