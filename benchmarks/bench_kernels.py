@@ -5,7 +5,12 @@
 
 Compares the C++ CPU kernels (`backend='cpu'`) with the readable torch reference (`backend='torch'`) and
 with `scaled_dot_product_attention` over K/V gathered from the page table into a padded batch (what a
-pure-torch engine would do). Reports the median time per call."""
+pure-torch engine would do). Reports the median time per call. Then, for bf16 (or `--step-only`):
+  - the attention of a whole 48-request decode step: 30 layers, each over its own cache (so that the L3 does
+    not hold them all, as in the engine), each request's slots contiguous as the allocator gives them;
+  - the bf16 RMS norms (`rms_norm`, `fused_add_rms_norm_`) of a 2048-token prefill round and of 48 rows.
+
+    .venv/bin/python benchmarks/bench_kernels.py --dtype bf16 --step-only"""
 import argparse
 import statistics
 import time
@@ -58,15 +63,42 @@ def sdpa_paged(q, k_cache, v_cache, page_table, lens, q_lens):
     return F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask[:, None], enable_gqa=True)
 
 
+def decode_step_attention(dtype, reps: int, B: int = 48, L: int = 260, layers: int = 30) -> float:
+    "ms of the decode attention of one step: `layers` calls, each over a cache of its own, slots contiguous per request."
+    g = torch.Generator().manual_seed(0)
+    caches = [(torch.randn(B * L, HKV, D, generator=g).to(dtype), torch.randn(B * L, HKV, D, generator=g).to(dtype))
+              for _ in range(layers)]
+    table = torch.arange(B * L, dtype=torch.int32).view(B, L).contiguous()
+    idx, sl = torch.arange(B, dtype=torch.int32), torch.full((B,), L, dtype=torch.int32)
+    q = torch.randn(B, HQ, D, generator=g).to(dtype)
+    return median_ms(lambda: [decode_attention(q, k, v, table, idx, sl, D ** -0.5, backend="cpu") for k, v in caches], reps)
+
+
+def norms(reps: int):
+    "ms of the bf16 norms at a prefill round's 2048 rows and a decode step's 48 (hidden size 576)."
+    ext, w = native(), torch.randn(576).bfloat16()
+    for rows in (2048, 48):
+        x, r = torch.randn(rows, 576).bfloat16(), torch.randn(rows, 576).bfloat16()
+        a = median_ms(lambda: ext.rms_norm(x, w, 1e-5), reps)
+        b = median_ms(lambda: ext.fused_add_rms_norm_(x, r, w, 1e-5), reps)
+        print(f"{f'bf16 norms, {rows} x 576':34s} rms_norm {a * 1e3:8.1f} us, fused_add_rms_norm_ {b * 1e3:8.1f} us")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--step-only", action="store_true", help="only the decode step's attention and the norms (bf16)")
     args = ap.parse_args()
     dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16
     scale = D ** -0.5
     print(f"threads={torch.get_num_threads()} isa={native().cpu_isa()} dtype={args.dtype} Hq={HQ} Hkv={HKV} D={D} "
           f"page={PAGE}")
+    if args.step_only or dtype == torch.bfloat16:
+        ms = decode_step_attention(torch.bfloat16, args.reps)
+        print(f"{'decode step, 48 x 260, 30 layers':34s} {ms:9.3f} ms (bf16 caches)")
+        norms(args.reps * 5)
+        if args.step_only: return
     print(f"{'case':34s} {'cpu ms':>9s} {'torch ms':>9s} {'sdpa ms':>9s}")
     for B, L in [(1, 512), (32, 256), (64, 256), (64, 512)]:
         lens = [L] * B

@@ -21,18 +21,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _faulty_toy(seed: int, **kw):
-    "A `ToyEngine` whose forward raises whenever a request seeded `seed` is in the batch: a fault in one request's path."
+def _test_toy(seed: int | None, step_delay: float, **kw):
+    """A `ToyEngine` whose forward raises whenever a request seeded `seed` is in the batch (a fault in one request's
+    path), and sleeps `step_delay` seconds first (so that a long request stays in flight long enough to be struck:
+    the plain toy runs 1900 tokens in about a second, quicker than a loaded machine polls /debug/scheduler)."""
     from minisgl.scheduler import ToyEngine
 
-    class FaultyToy(ToyEngine):
+    class TestToy(ToyEngine):
         def forward_batch(self, batch):
-            if any(r.sampling_params.seed == seed for r in batch.reqs): raise RuntimeError("injected fault")
+            if step_delay: time.sleep(step_delay)
+            if seed is not None and any(r.sampling_params.seed == seed for r in batch.reqs): raise RuntimeError("injected fault")
             return super().forward_batch(batch)
-    return FaultyToy(**kw)
+    return TestToy(**kw)
 
 
-def toy_engine(args=None, faulty_seed: int | None = None):
+def toy_engine(args=None, faulty_seed: int | None = None, step_delay: float = 0.0):
     "A picklable factory of the scheduler chapter's `ToyEngine`, sized like the default model (vocabulary, EOS) and `args`."
     from functools import partial
     from minisgl.engine import EngineArgs
@@ -42,7 +45,8 @@ def toy_engine(args=None, faulty_seed: int | None = None):
     seq, rows = args.max_seq_len or 2048, args.max_running_reqs or SchedulerConfig().max_running_reqs
     pages = args.num_pages or -(-(rows + 1) * seq // args.page_size)      # every slot can fill its context
     kw = dict(num_pages=pages, page_size=args.page_size, max_seq_len=seq, vocab_size=len(tok), eos_token_ids=[tok.eos_token_id])
-    return partial(ToyEngine, **kw) if faulty_seed is None else partial(_faulty_toy, faulty_seed, **kw)
+    if faulty_seed is None and not step_delay: return partial(ToyEngine, **kw)
+    return partial(_test_toy, faulty_seed, step_delay, **kw)
 
 
 class ServerProc:

@@ -186,7 +186,7 @@ def test_fault_in_one_request_fails_it_alone(toy):
 # -------------------------------------------------------------- a worker killed under load
 @pytest.mark.parametrize("worker", ["minisgl-scheduler", "minisgl-tokenizer"])
 def test_killed_worker_fails_every_request_and_the_server_exits(worker):
-    s = ServerProc(toy=True)
+    s = ServerProc("--step-delay", "0.005", toy=True)   # 1900 tokens take ~10 s: in flight when the worker dies
     dbg = httpx.get(s.base + "/debug/scheduler").json()
     pid, children = dbg["workers"][worker], s.children()
     got: dict[str, object] = {}
@@ -223,7 +223,7 @@ def test_killed_worker_fails_every_request_and_the_server_exits(worker):
 
 def test_stalled_scheduler_is_detected_and_recovers():
     "SIGSTOP the scheduler with a request in flight: /health turns 503, the request ends at its timeout; SIGCONT heals."
-    s = ServerProc("--watchdog-timeout", "1", "--request-timeout", "3", toy=True)
+    s = ServerProc("--watchdog-timeout", "1", "--request-timeout", "3", "--step-delay", "0.005", toy=True)
     try:
         pid = httpx.get(s.base + "/debug/scheduler").json()["workers"]["minisgl-scheduler"]
         got = {}
