@@ -617,13 +617,13 @@ MIN_PROMPT_CHUNK = 16   # prompt tokens a mixed step takes however slow its forw
 class StepCost:
     "A forward's seconds as `fixed + per_token * tokens`, fitted by least squares to the last `window` forwards timed."
     window: int = 64
-    samples: deque = field(default_factory=deque)       # (tokens, seconds), oldest first
+    samples: deque = field(init=False)                  # (tokens, seconds) of the last `window` forwards, oldest first
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)   # the overlap loop adds from its engine thread
 
+    def __post_init__(self): self.samples = deque(maxlen=self.window)
+
     def add(self, tokens: int, seconds: float) -> None:
-        with self.lock:
-            self.samples.append((tokens, seconds))
-            if len(self.samples) > self.window: self.samples.popleft()
+        with self.lock: self.samples.append((tokens, seconds))
 
     def fit(self) -> tuple[float, float] | None:
         "(fixed, per_token) seconds; None before any forward was timed."

@@ -125,7 +125,8 @@ inline void decode_task(const Args& a, int64_t b, int64_t row, int64_t h, int64_
     // The rows of a request are scattered over pages, which defeats the hardware prefetcher at every
     // page boundary: ask for the next tile's K/V rows while this one is computed, one next row per row
     // converted (asking for all 4 * kDecodeTile lines at once filled the queue of misses and stalled: the
-    // attention of a 48-row decode step over 30 layers took 18 ms that way, ~14 ms spread out).
+    // attention of a 48-row decode step over 30 layers took 21 ms that way, 17 ms spread out, on a Zen 5;
+    // benchmarks/bench_kernels.py --step-only).
     const int64_t ahead = std::min<int64_t>(kDecodeTile, k1 - t0 - kDecodeTile);
     for (int j = 0; j < n; ++j) {
       if (j < ahead) {
