@@ -194,6 +194,8 @@ class Req:
     def can_decode(self) -> bool: return self.remain_len > 0
     @property
     def output_ids(self) -> list[int]: return self.input_ids[self.prompt_len:].tolist()
+    @property
+    def num_output(self) -> int: "Tokens generated so far (host copy)."; return len(self.input_ids) - self.prompt_len
 
     def complete_one(self):
         "The forward for `[cached_len, device_len)` is launched: it is cached, and the next one computes one token."

@@ -5,6 +5,7 @@
 # %% ../nbs/08_engine.ipynb #aff68f54
 from __future__ import annotations
 import logging
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from .core import Batch, ChunkedReq, ForwardOutput, SamplingParams, check, check
 from .kernels import native
 from .kvcache import KVPool
 from .linear import (KERNELS, ROW_BUCKETS, KernelPlan, PackedLinear, can_pack_linears, kernel_plan, linear_specs,
-                            pack_linears)
+                            pack_linears, to_huge_pages)
 from .models import CausalLM, ForwardContext, ModelConfig
 from .scheduler import MIN_PROMPT_CHUNK, ModelRunner, SchedulerConfig
 from .sampling import SamplingBatch, sample
@@ -148,6 +149,9 @@ class Engine:
         self.sampling_defaults = sampling_defaults(self.model_dir, config.sampling_defaults)
         logger.info('sampling defaults (for requests that leave them out): %s', self.sampling_defaults or 'none')
         self.kernel_plan = self._plan_kernels() if can_pack_linears(self.device, self.dtype) else None
+        if self.device.type == 'cpu':   # a decode step streams every weight: 2 MB pages keep the prefetchers going
+            t = time.perf_counter(); moved = to_huge_pages(self.model)
+            logger.info('weights on huge pages: %.0f MB in %.1f s', moved / 2**20, time.perf_counter() - t)
         self.limits = self._fit_limits()                      # rows and prefill tokens (read off the plan)
         self.num_pages = config.num_pages or self._pages_that_fit()
         self.limits = self.limits.capped(self.num_pages * self.page_size)

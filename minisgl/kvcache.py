@@ -19,15 +19,20 @@ from fastcore.basics import patch
 from .core import Req, check_choice, check_int
 
 # %% auto #0
-__all__ = ['zeros_on_demand', 'KVPool', 'PageAllocator', 'TableManager', 'CacheHandle', 'NaivePrefixCache', 'RadixNode',
-           'RadixPrefixCache', 'kv_slots_needed', 'CacheManager', 'draw_kv_occupancy']
+__all__ = ['HUGE_PAGE', 'zeros_on_demand', 'KVPool', 'PageAllocator', 'TableManager', 'CacheHandle', 'NaivePrefixCache',
+           'RadixNode', 'RadixPrefixCache', 'kv_slots_needed', 'CacheManager', 'draw_kv_occupancy']
 
 # %% ../nbs/01_kvcache.ipynb #6c9ade87
-def zeros_on_demand(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+HUGE_PAGE = 2 << 20   # bytes of an x86-64 transparent huge page
+
+def zeros_on_demand(shape: tuple[int, ...], dtype: torch.dtype, huge_pages: bool = False) -> torch.Tensor:
     "A CPU tensor of zeros in private anonymous memory: the OS gives each page, zeroed, when it is first touched."
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return torch.frombuffer(buf, dtype=dtype).view(shape)     # the tensor keeps `buf` alive
+    # whole huge pages: Linux starts a large mapping on a huge-page boundary only when its length is a multiple of one
+    buf = mmap.mmap(-1, -(-nbytes // HUGE_PAGE) * HUGE_PAGE if huge_pages else nbytes,
+                    flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if huge_pages and hasattr(mmap, 'MADV_HUGEPAGE'): buf.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(buf, dtype=torch.uint8)[:nbytes].view(dtype).view(shape)   # the tensor keeps `buf` alive
 
 
 class KVPool:
@@ -344,8 +349,8 @@ class CacheManager:
 
 # %% ../nbs/01_kvcache.ipynb #693c6add
 @patch
-def allocate(self: CacheManager, req: Req):
-    "Give `req` KV slots for positions `[cached_len, device_len)` in its page-table row."
+def allocate(self: CacheManager, req: Req) -> torch.Tensor:
+    "Give `req` KV slots for positions `[cached_len, device_len)` in its page-table row; returns those slots."
     row, start, end, ps = req.table_idx, req.cached_len, req.device_len, self.page_size
     if self.page_table is None: raise RuntimeError("CacheManager.allocate needs a page_table")
     if end > self.page_table.shape[1]: raise ValueError(f"device_len: {end} exceeds max_seq_len {self.page_table.shape[1]}")
@@ -356,12 +361,12 @@ def allocate(self: CacheManager, req: Req):
         self.owned[row] = []
     new = self._take(_cdiv(end, ps) - _cdiv(start, ps))
     self.owned[row] += new
-    pos = torch.arange(start, end)
-    page = torch.tensor(new, dtype=torch.int64)[(pos // ps - _cdiv(start, ps)).clamp(min=0)] if new else torch.zeros_like(pos)
-    if start % ps:                 # finish the partly filled last page first
-        last = int(self.page_table[row, start - 1]) // ps
-        page = torch.where(pos < _cdiv(start, ps) * ps, last, page)
-    self.page_table[row, start:end] = (page * ps + pos % ps).to(torch.int32)
+    # the partly filled last page is finished first, then the new pages are filled in order
+    pages = ([int(self.page_table[row, start - 1]) // ps] if start % ps else []) + new
+    first = start - start % ps     # the position of the first slot of pages[0]
+    slots = self._slots(pages)[start - first:end - first]
+    self.page_table[row, start:end] = slots
+    return slots
 
 # %% ../nbs/01_kvcache.ipynb #8e2b218f
 @patch

@@ -32,7 +32,7 @@ __all__ = ['GEMV_MAX_ROWS', 'KERNELS', 'LAYOUT', 'ROW_BUCKETS', 'GEMV_PLAN_MAX_R
            'linear_ref', 'gemv_available', 'linear', 'onednn_bf16_available', 'kernel_runs', 'pack_weight',
            'run_linear', 'cpu_signature', 'measure_linear', 'choose_kernels', 'KernelPlan', 'LinearSpec',
            'measure_plan', 'forced_plan', 'plan_cache_dir', 'plan_cache_file', 'kernel_plan', 'PackedLinear',
-           'can_pack_linears', 'linear_specs', 'pack_linears']
+           'can_pack_linears', 'linear_specs', 'pack_linears', 'module_tensors', 'to_huge_pages']
 
 # %% ../nbs/04c_linear.ipynb #b05d00f6
 def linear_ref(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -397,3 +397,34 @@ def pack_linears(model: nn.Module, plan: KernelPlan) -> nn.Module:
             if isinstance(child, nn.Linear) and shape in plan.choices:
                 setattr(mod, name, PackedLinear(child, plan.choices[shape]))
     return model
+
+# %% ../nbs/04c_linear.ipynb #aa1477c7
+def module_tensors(model: nn.Module) -> list[tuple[nn.Module, str, Tensor]]:
+    "Every `(module, name, tensor)` that `model`'s modules hold: parameters, buffers and plain tensor attributes."
+    out = []
+    for mod in model.modules():
+        held = {**{k: v for k, v in vars(mod).items() if isinstance(v, Tensor)}, **mod._parameters, **mod._buffers}
+        out += [(mod, name, t) for name, t in held.items() if t is not None]
+    return out
+
+
+def to_huge_pages(model: nn.Module) -> int:
+    "Move `model`'s CPU tensors into one mapping of transparent huge pages (shared tensors stay shared); the bytes moved."
+    from minisgl.kvcache import zeros_on_demand
+    held = [(m, n, t) for m, n, t in module_tensors(model)
+            if t.device.type == 'cpu' and t.layout == torch.strided and t.is_contiguous() and t.nbytes]
+    same = {}                                  # (address, bytes) -> its holders: tied weights are one tensor
+    for m, n, t in held: same.setdefault((t.data_ptr(), t.nbytes), []).append((m, n, t))
+    size = lambda nbytes: -(-nbytes // 64) * 64   # each tensor starts on a cache line
+    total = sum(size(nb) for _, nb in same)
+    if not total: return 0
+    arena, off = zeros_on_demand((total,), torch.uint8, huge_pages=True), 0
+    for (_, nbytes), holders in same.items():
+        t = holders[0][2]
+        new = arena[off:off + nbytes].view(t.dtype).view(t.shape).copy_(t)
+        off += size(nbytes)
+        for m, n, _ in holders:                # re-point every holder; the old memory is freed as the last one lets go
+            if n in m._parameters: m._parameters[n].data = new
+            elif n in m._buffers: m._buffers[n] = new
+            else: setattr(m, n, new)
+    return total

@@ -282,13 +282,13 @@ def _normal_round(self: Scheduler) -> list[TokenOutput]:
 @patch
 def _prepare_batch(self: Scheduler, batch: Batch) -> Batch:
     dev = self.engine.device
-    for req in batch.reqs: self.cache_manager.allocate(req)
+    slots = [self.cache_manager.allocate(req) for req in batch.reqs]   # each request's new slots, in order
     rows = torch.tensor([r.table_idx for r in batch.reqs], dtype=torch.int64)
     extend = torch.tensor([r.extend_len for r in batch.reqs], dtype=torch.int64)
     positions = torch.cat([torch.arange(r.cached_len, r.device_len) for r in batch.reqs])
     page_table = self.table_manager.page_table
     batch.positions = positions.to(dev)
-    batch.out_loc = page_table[rows.repeat_interleave(extend).to(dev), batch.positions].long()
+    batch.out_loc = torch.cat(slots).to(dev, torch.int64)
     batch.table_idx = rows.to(dev, torch.int32)
     batch.seq_lens = torch.tensor([r.device_len for r in batch.reqs], dtype=torch.int32, device=dev)
     batch.extend_lens = extend.to(dev, torch.int32)
@@ -309,7 +309,8 @@ def _run_engine(self: Scheduler, batch: Batch, emits: torch.Tensor) -> ForwardOu
     else:
         if self.step_cost is not None: self.step_cost.add(len(batch.input_ids), self.clock() - start)
     if output.errors: emits = emits.clone(); emits[list(output.errors)] = False      # a failed request gets no token
-    pool[rows[emits], batch.seq_lens.long()[emits]] = output.next_tokens.to(pool)[emits]
+    if bool(emits.all()): pool[rows, batch.seq_lens.long()] = output.next_tokens.to(pool)   # (masks cost ~0.1 ms a step)
+    else: pool[rows[emits], batch.seq_lens.long()[emits]] = output.next_tokens.to(pool)[emits]
     return output
 
 @patch
@@ -371,7 +372,7 @@ def _tail_has_stop(self: Scheduler, req: Req) -> bool:
     # Decoding the whole output every round would make long answers quadratic; a character is at
     # most 4 bytes and a token at least one, so 4 tokens per character (plus slack) always cover it.
     window = 4 * max(map(len, req.sampling_params.stop)) + 4
-    tail = self._output_text(req, max(0, len(req.output_ids) - window))
+    tail = self._output_text(req, max(0, req.num_output - window))
     return any(s in tail for s in req.sampling_params.stop)
 
 @patch
@@ -381,7 +382,7 @@ def _finish_reason(self: Scheduler, req: Req, token: int) -> tuple[str | None, s
     if sp.stop and self._tail_has_stop(req):
         text = self._output_text(req)
         if (end := first_stop(text, sp.stop)) is not None: return 'stop', text[:end]
-    if len(req.output_ids) >= req.output_len: return 'length', None
+    if req.num_output >= req.output_len: return 'length', None
     return None, None
 
 @patch

@@ -7,13 +7,15 @@
 //   - the whole step is ONE OpenMP region. Run as separate calls, each of the 120 matmuls opens its own region,
 //     and under OMP_WAIT_POLICY=PASSIVE every region wakes the pool's sleeping threads (~40-60 us measured,
 //     as long as a small GEMV). Here the threads stay in the region and a spin barrier separates the phases:
-//     each matmul is cut into a few parts per thread (gemv.h: the GEMV over a plain weight, or the tiles over a
-//     packed one) that the threads take first come first served, so that a thread slowed by the machine (a
-//     shared host, another process) takes fewer of them instead of holding the others at the barrier (a
-//     precaution: on a noisy 2-core VM it measured a few percent faster, within the noise); the parts are
-//     still contiguous ranges of W, each streamed front to back; and the small kernels in between split the rows of the batch (norms, rotary + K/V store,
-//     SiLU) or the attention plan's tasks (attention_plan.h). No extra threads: whatever OpenMP's wait
-//     policy, nothing else competes for the cores.
+//     each matmul is cut into parts (gemv.h: the GEMV over a plain weight, or the tiles over a packed one) that
+//     the threads take first come first served, each part a contiguous range of W streamed front to back. The
+//     tiles take four parts per thread, so that a thread slowed by the machine (a shared host, another process)
+//     takes fewer of them instead of holding the others at the barrier (one part per thread made a 48-request
+//     step ~15% slower on a noisy 2-core VM). The GEMV takes one part per thread: it is bound by memory, and
+//     every part starts a new stream that the prefetchers must pick up again (one part made a one-request step
+//     ~5% faster than four, medians of 30 alternating runs on a Zen 5). The small kernels in between split
+//     the rows of the batch (norms, rotary + K/V store, SiLU) or the attention plan's tasks
+//     (attention_plan.h). No extra threads: whatever OpenMP's wait policy, nothing else competes for the cores.
 //
 // weights: 10 per layer, in this order (None where a layer has no bias):
 //   input_layernorm.weight, qkv_proj, qkv_proj.bias, o_proj, o_proj.bias,
@@ -89,7 +91,8 @@ struct LinearPlan {
 constexpr size_t kPerLayer = 10;
 constexpr int64_t kMaxRows = 64;
 constexpr int64_t kSerialRows = 4;  // up to this many rows, the row-wise kernels run on thread 0 alone
-constexpr int64_t kPartsPerThread = 4;  // a matmul's parts per thread, taken first come first served
+constexpr int64_t kTilesPartsPerThread = 4;  // a packed matmul's parts per thread, taken first come first served
+constexpr int64_t kGemvPartsPerThread = 1;   // a GEMV's: one stream per thread
 
 }  // namespace
 
@@ -141,11 +144,11 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_cpu(
                   fn, ": packed ", what, " of layer ", l, " must be pack_linear_weight of a [", rows, ", ", cols,
                   "] weight, got ", w->sizes());
       p.tiles = true;
-      p.tp = make_tiles_plan(*w, rows, bp, nt * kPartsPerThread);
+      p.tp = make_tiles_plan(*w, rows, bp, nt * kTilesPartsPerThread);
     } else {
       TORCH_CHECK(w->dim() == 2 && w->size(0) == rows && w->size(1) == cols, fn, ": ", what, " of layer ", l,
                   " must have shape [", rows, ", ", cols, "], got ", w->sizes());
-      p.gemv = make_gemv_plan(*w, bp, n, true, nt * kPartsPerThread, "");
+      p.gemv = make_gemv_plan(*w, bp, n, true, nt * kGemvPartsPerThread, "");
     }
     return p;
   };

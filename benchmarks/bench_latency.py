@@ -1,0 +1,153 @@
+"""One request at a time, minisgl against its peers in one run: the time to the first token of a 265-token prompt
+and the speed of single-request decode, the default model (SmolLM2-135M-Instruct), greedy.
+
+- minisgl: `LLM()` with its defaults (bf16 where its bf16 kernels run; the kernel plan measured or read first);
+- HF transformers: `generate` on one sequence, in bf16 (`--hf-dtype`);
+- llama.cpp: `llama-bench` (`--llama-bench PATH`, built outside the repo with the issue's flags) on the same GGUF
+  file, which it runs quantized (Q4_1) while minisgl and HF de-quantize it to bf16: `pp265` (the prompt in one
+  batch) and `tg128` (128 tokens decoded one by one), with as many threads as torch uses.
+
+What is timed, for minisgl and HF alike (wall clock, the public API, a new random-token prompt every time so that no
+prefix cache hits):
+- first token: `generate` of 1 token for a `--prompt-len`-token prompt; prefill tok/s = prompt tokens / that time;
+- decode tok/s = `--new-tokens` / (time to generate 1 + `--new-tokens` tokens - time to generate 1 token), on
+  prompts of `--decode-prompt` tokens: the prompt and the first token cancel out.
+llama-bench reports its own rates (prompt tokens / prompt time, generated tokens / generation time, sampling excluded);
+its first-token time here is `--prompt-len` / its pp rate. Every repeat runs all three, interleaved, and the medians
+are reported: the machine is shared and its speed drifts. Writes JSON (`--out`) with the CPU model, flags, cores,
+torch version and date; on a CPU with AMX, the run is repeated with oneDNN capped below AMX.
+
+    .venv/bin/python benchmarks/bench_latency.py --llama-bench /path/to/llama-bench --out latency.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_workload import machine   # noqa: E402  (the same machine record as the other benchmarks)
+
+
+def random_prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(100, vocab) for _ in range(n)]
+
+
+def minisgl_timer(llm):
+    from minisgl.core import SamplingParams
+    def once(prompt, new):
+        sp = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
+        t = time.perf_counter(); out = llm.generate([prompt], sp, use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == new
+        return time.perf_counter() - t
+    return once
+
+
+def hf_timer(model_dir, dtype):
+    import torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    def once(prompt, new):
+        ids = torch.tensor([prompt])
+        t = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                                 do_sample=False, pad_token_id=0)
+        assert out.shape[1] - ids.shape[1] == new
+        return time.perf_counter() - t
+    return once
+
+
+def llama_bench(path: str, gguf: str, threads: int, prompt: int, new: int) -> dict:
+    "One llama-bench run (one repetition of each test): {'pp': tok/s, 'tg': tok/s}."
+    r = subprocess.run([path, "-m", gguf, "-t", str(threads), "-p", str(prompt), "-n", str(new), "-r", "1", "-o", "json"],
+                       capture_output=True, text=True, timeout=600)
+    if r.returncode != 0: raise RuntimeError(f"llama-bench failed: {r.stderr.strip()[-500:]}")
+    rows = json.loads(r.stdout)
+    get = lambda kind: next(x["avg_ts"] for x in rows if (x["n_prompt"] > 0) == (kind == "pp") and
+                            (x["n_gen"] > 0) == (kind == "tg"))
+    return {"pp": get("pp"), "tg": get("tg")}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompt-len", type=int, default=265)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--decode-prompt", type=int, default=4, help="prompt tokens of the decode runs")
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--hf-dtype", default="bfloat16")
+    ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--llama-bench", default=None, metavar="PATH", help="llama.cpp's llama-bench, built for this CPU")
+    ap.add_argument("--out", default=None, metavar="FILE.json")
+    ap.add_argument("--no-cap-run", action="store_true", help="on an AMX CPU, skip the run with oneDNN capped below AMX")
+    args = ap.parse_args()
+
+    from minisgl.llm import LLM
+    from minisgl.weights import default_gguf_path, resolve_model
+    info = machine()
+    print(f"{info['cpu']}, {info['cores']} cores, torch {info['torch']}, caps {info['caps']}; "
+          f"flags: {' '.join(info['flags'])}", flush=True)
+    llm = LLM()
+    vocab = llm.engine.vocab_size
+    rng = random.Random(0)
+    systems = {"minisgl": minisgl_timer(llm)}
+    if not args.no_hf: systems["hf"] = hf_timer(resolve_model(None, progress=False), args.hf_dtype)
+    for once in systems.values():   # warm-up
+        once(random_prompt(rng, args.prompt_len, vocab), 1); once(random_prompt(rng, args.decode_prompt, vocab), 8)
+    missing = {}
+    if not args.llama_bench: missing["llama.cpp"] = "not run: give --llama-bench (llama.cpp's llama-bench, built for this CPU)"
+
+    first = {k: [] for k in systems}; decode = {k: [] for k in systems}
+    llama = {"pp": [], "tg": []}
+    for rep in range(args.reps):
+        for k, once in systems.items():
+            first[k].append(once(random_prompt(rng, args.prompt_len, vocab), 1))
+            t1 = once(random_prompt(rng, args.decode_prompt, vocab), 1)
+            tn = once(random_prompt(rng, args.decode_prompt, vocab), 1 + args.new_tokens)
+            decode[k].append(args.new_tokens / (tn - t1))
+        if args.llama_bench and "llama.cpp" not in missing:
+            try:
+                r = llama_bench(args.llama_bench, str(default_gguf_path()), info["threads"], args.prompt_len, args.new_tokens)
+                llama["pp"].append(r["pp"]); llama["tg"].append(r["tg"])
+            except (RuntimeError, OSError, subprocess.TimeoutExpired, StopIteration, ValueError) as e:
+                missing["llama.cpp"] = str(e)
+        print(f"rep {rep + 1}: " + ", ".join(f"{k} first token {first[k][-1] * 1e3:.0f} ms, decode {decode[k][-1]:.1f} tok/s"
+                                          for k in systems) +
+              (f", llama.cpp pp {llama['pp'][-1]:.0f} tok/s, tg {llama['tg'][-1]:.1f} tok/s" if llama["pp"] else ""),
+              flush=True)
+
+    med = statistics.median
+    res = {k: {"first_token_s": med(first[k]), "prefill_tok_s": args.prompt_len / med(first[k]),
+               "decode_tok_s": med(decode[k])} for k in systems}
+    if llama["pp"] and "llama.cpp" not in missing:
+        res["llama.cpp"] = {"first_token_s": args.prompt_len / med(llama["pp"]), "prefill_tok_s": med(llama["pp"]),
+                            "decode_tok_s": med(llama["tg"])}
+    ours = res["minisgl"]
+    print(f"\none request, medians of {args.reps}: first token of a {args.prompt_len}-token prompt, and decode")
+    print("| system | first token | prefill tok/s | decode tok/s | minisgl prefill / it | minisgl decode / it |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for k, r in res.items():
+        print(f"| {k} | {r['first_token_s'] * 1e3:.0f} ms | {r['prefill_tok_s']:.0f} | {r['decode_tok_s']:.1f} | "
+              f"{ours['prefill_tok_s'] / r['prefill_tok_s']:.2f}x | {ours['decode_tok_s'] / r['decode_tok_s']:.2f}x |")
+    for k, why in missing.items(): print(f"| {k} | missing: {why} | | | | |")
+    summary = dict(machine=info, run=vars(args), results=res, missing=missing,
+                   samples=dict(first_token_s=first, decode_tok_s=decode, llama_bench=llama),
+                   dtype=str(llm.engine.dtype).removeprefix("torch."))
+    if not args.no_cap_run and any(f.startswith("amx") for f in info["flags"]) and not info["caps"]["ONEDNN_MAX_CPU_ISA"]:
+        print("\nagain with oneDNN capped below AMX (ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16):", flush=True)
+        cmd = [sys.executable, __file__, *[x for x in sys.argv[1:] if x != "--no-cap-run"], "--no-cap-run"]
+        if args.out: cmd[cmd.index("--out") + 1] = args.out + ".capped.json"
+        subprocess.run(cmd, env={**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}, check=True)
+    if args.out:
+        with open(args.out, "w") as f: json.dump(summary, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
