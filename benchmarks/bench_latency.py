@@ -33,7 +33,7 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_workload import machine   # noqa: E402  (the same machine record as the other benchmarks)
+from bench_workload import banner, machine, run_capped   # noqa: E402  (the same machine record and AMX re-run)
 
 
 def random_prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
@@ -92,8 +92,7 @@ def main():
     from minisgl.llm import LLM
     from minisgl.weights import default_gguf_path, resolve_model
     info = machine()
-    print(f"{info['cpu']}, {info['cores']} cores, torch {info['torch']}, caps {info['caps']}; "
-          f"flags: {' '.join(info['flags'])}", flush=True)
+    print(banner(info), flush=True)
     llm = LLM()
     vocab = llm.engine.vocab_size
     rng = random.Random(0)
@@ -140,11 +139,7 @@ def main():
     summary = dict(machine=info, run=vars(args), results=res, missing=missing,
                    samples=dict(first_token_s=first, decode_tok_s=decode, llama_bench=llama),
                    dtype=str(llm.engine.dtype).removeprefix("torch."))
-    if not args.no_cap_run and any(f.startswith("amx") for f in info["flags"]) and not info["caps"]["ONEDNN_MAX_CPU_ISA"]:
-        print("\nagain with oneDNN capped below AMX (ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16):", flush=True)
-        cmd = [sys.executable, __file__, *[x for x in sys.argv[1:] if x != "--no-cap-run"], "--no-cap-run"]
-        if args.out: cmd[cmd.index("--out") + 1] = args.out + ".capped.json"
-        subprocess.run(cmd, env={**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}, check=True)
+    run_capped(__file__, args, info)
     if args.out:
         with open(args.out, "w") as f: json.dump(summary, f, indent=1)
 

@@ -75,6 +75,20 @@ def machine() -> dict:
                 caps={k: os.environ.get(k, "") for k in ("ONEDNN_MAX_CPU_ISA", "MINISGL_CPU_ISA")})
 
 
+def banner(info: dict) -> str:
+    "The machine record as one line, printed at the top of a run."
+    return f"{info['cpu']}, {info['cores']} cores, torch {info['torch']}, caps {info['caps']}; flags: {' '.join(info['flags'])}"
+
+
+def run_capped(script: str, args, info: dict) -> None:
+    "On a CPU with AMX (and no cap yet), run `script` again with oneDNN capped below AMX; its JSON goes to `--out`.capped.json."
+    if args.no_cap_run or not any(f.startswith("amx") for f in info["flags"]) or info["caps"]["ONEDNN_MAX_CPU_ISA"]: return
+    print("\nagain with oneDNN capped below AMX (ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16):", flush=True)
+    cmd = [sys.executable, script, *[x for x in sys.argv[1:] if x != "--no-cap-run"], "--no-cap-run"]
+    if args.out: cmd[cmd.index("--out") + 1] = args.out + ".capped.json"
+    subprocess.run(cmd, env={**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}, check=True)
+
+
 def workload(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(100, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
@@ -140,8 +154,7 @@ def main():
     from minisgl.llm import LLM
     from minisgl.weights import default_gguf_path, resolve_model
     info = machine()
-    print(f"{info['cpu']}, {info['cores']} cores, torch {info['torch']}, caps {info['caps']}; "
-          f"flags: {' '.join(info['flags'])}", flush=True)
+    print(banner(info), flush=True)
     model_dir = resolve_model(None, progress=False)
     variants = args.variants.split(",")
     unknown = set(variants) - {"minisgl", "minisgl_mixed", "minisgl_fp32"}
@@ -197,11 +210,7 @@ def main():
                    dtype=str(llm.engine.dtype).removeprefix("torch."), hf_dtype=hf_dtype, hf_probe_s=probe,
                    kernel_plan=plan.source if plan else None)
     runs = [summary]
-    if not args.no_cap_run and any(f.startswith("amx") for f in info["flags"]) and not info["caps"]["ONEDNN_MAX_CPU_ISA"]:
-        print("\nagain with oneDNN capped below AMX (ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16):", flush=True)
-        cmd = [sys.executable, __file__, *[x for x in sys.argv[1:] if x != "--no-cap-run"], "--no-cap-run"]
-        if args.out: cmd[cmd.index("--out") + 1] = args.out + ".capped.json"
-        subprocess.run(cmd, env={**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}, check=True)
+    run_capped(__file__, args, info)
     if args.out:
         with open(args.out, "w") as f: json.dump(runs if len(runs) > 1 else summary, f, indent=1)
 
