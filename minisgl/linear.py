@@ -408,22 +408,29 @@ def module_tensors(model: nn.Module) -> list[tuple[nn.Module, str, Tensor]]:
     return out
 
 
+def _by_memory(model: nn.Module) -> dict[tuple[int, int], list]:
+    "`model`'s movable CPU tensors, grouped by the memory they hold: `(address, bytes) -> [(module, name, tensor)]`."
+    same = {}
+    for m, n, t in module_tensors(model):
+        if t.device.type == 'cpu' and t.layout == torch.strided and t.is_contiguous() and t.nbytes:
+            same.setdefault((t.data_ptr(), t.nbytes), []).append((m, n, t))
+    return same
+
+
 def to_huge_pages(model: nn.Module) -> int:
     "Move `model`'s CPU tensors into one mapping of transparent huge pages (shared tensors stay shared); the bytes moved."
     from minisgl.kvcache import zeros_on_demand
-    held = [(m, n, t) for m, n, t in module_tensors(model)
-            if t.device.type == 'cpu' and t.layout == torch.strided and t.is_contiguous() and t.nbytes]
-    same = {}                                  # (address, bytes) -> its holders: tied weights are one tensor
-    for m, n, t in held: same.setdefault((t.data_ptr(), t.nbytes), []).append((m, n, t))
+    same = _by_memory(model)                   # a tied embedding and LM head are one entry
     size = lambda nbytes: -(-nbytes // 64) * 64   # each tensor starts on a cache line
     total = sum(size(nb) for _, nb in same)
     if not total: return 0
     arena, off = zeros_on_demand((total,), torch.uint8, huge_pages=True), 0
-    for (_, nbytes), holders in same.items():
-        t = holders[0][2]
-        new = arena[off:off + nbytes].view(t.dtype).view(t.shape).copy_(t)
+    while same:                                # popped: an old tensor is freed once its holders point to the new one
+        (_, nbytes), holders = same.popitem()
+        old = holders[0][2]
+        new = arena[off:off + nbytes].view(old.dtype).view(old.shape).copy_(old)
         off += size(nbytes)
-        for m, n, _ in holders:                # re-point every holder; the old memory is freed as the last one lets go
+        for m, n, _ in holders:
             if n in m._parameters: m._parameters[n].data = new
             elif n in m._buffers: m._buffers[n] = new
             else: setattr(m, n, new)
