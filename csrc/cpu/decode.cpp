@@ -11,10 +11,11 @@
 //     the threads take first come first served, each part a contiguous range of W streamed front to back. The
 //     tiles take four parts per thread, so that a thread slowed by the machine (a shared host, another process)
 //     takes fewer of them instead of holding the others at the barrier (one part per thread made a 48-request
-//     step ~15% slower on a noisy 2-core VM). The GEMV takes one part per thread: it is bound by memory, and
-//     every part starts a new stream that the prefetchers must pick up again (one part made a one-request step
-//     ~5% faster than four, medians of 30 alternating runs on a Zen 5). The small kernels in between split
-//     the rows of the batch (norms, rotary + K/V store, SiLU) or the attention plan's tasks
+//     step ~15% slower, medians of 10 alternating runs on a noisy 2-core Zen 5). The GEMV takes one part per
+//     thread: it is bound by memory, and every part starts a new stream that the prefetchers must pick up again
+//     (one part made a one-request step ~5% faster than four, medians of 30 alternating runs on the same
+//     machine). The small kernels in between split the rows of the batch (norms, rotary + K/V store, SiLU) or
+//     the attention plan's tasks
 //     (attention_plan.h). No extra threads: whatever OpenMP's wait policy, nothing else competes for the cores.
 //
 // weights: 10 per layer, in this order (None where a layer has no bias):
