@@ -15,7 +15,7 @@ prefix cache hits):
 llama-bench reports its own rates (prompt tokens / prompt time, generated tokens / generation time, sampling excluded);
 its first-token time here is `--prompt-len` / its pp rate. Every repeat runs all three, interleaved, and the medians
 are reported: the machine is shared and its speed drifts. Writes JSON (`--out`) with the CPU model, flags, cores,
-torch version and date; on a CPU with AMX, the run is repeated with oneDNN capped below AMX.
+torch version and date; on a CPU with AMX, the run is repeated as a CPU without it (oneDNN capped below AMX, minisgl's AMX kernel off).
 
     .venv/bin/python benchmarks/bench_latency.py --llama-bench /path/to/llama-bench --out latency.json
 """
@@ -86,7 +86,7 @@ def main():
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--llama-bench", default=None, metavar="PATH", help="llama.cpp's llama-bench, built for this CPU")
     ap.add_argument("--out", default=None, metavar="FILE.json")
-    ap.add_argument("--no-cap-run", action="store_true", help="on an AMX CPU, skip the run with oneDNN capped below AMX")
+    ap.add_argument("--no-cap-run", action="store_true", help="on an AMX CPU, skip the run capped below AMX (oneDNN and minisgl)")
     args = ap.parse_args()
 
     from minisgl.llm import LLM

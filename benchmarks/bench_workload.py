@@ -15,8 +15,9 @@ tokens, 64 new tokens each, greedy, EOS ignored, the default model (SmolLM2-135M
 
 Output tok/s = generated tokens / wall time of the whole workload (load and warm-up excluded). With `--reps N`
 each system runs N times, interleaved, and the medians are reported. Writes JSON (`--out`) with the CPU model,
-flags, cores, torch version and date. On a CPU with AMX the run is repeated with oneDNN capped below AMX
-(`ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`), a fresh process with its own kernel plan.
+flags, cores, torch version and date. On a CPU with AMX the run is repeated as a CPU without it: oneDNN capped below
+AMX (`ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`) and minisgl's own AMX kernel off (`MINISGL_CPU_ISA=avx512bf16`), a fresh
+process with its own kernel plan.
 
     .venv/bin/python benchmarks/bench_workload.py --llama-python /path/to/venv/bin/python --out workload.json
 """
@@ -80,13 +81,16 @@ def banner(info: dict) -> str:
     return f"{info['cpu']}, {info['cores']} cores, torch {info['torch']}, caps {info['caps']}; flags: {' '.join(info['flags'])}"
 
 
+CAPS_BELOW_AMX = {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16", "MINISGL_CPU_ISA": "avx512bf16"}   # oneDNN's and ours
+
+
 def run_capped(script: str, args, info: dict) -> None:
-    "On a CPU with AMX (and no cap yet), run `script` again with oneDNN capped below AMX; its JSON goes to `--out`.capped.json."
+    "On a CPU with AMX (and no cap yet), run `script` again as a CPU without AMX (`CAPS_BELOW_AMX`); its JSON goes to `--out`.capped.json."
     if args.no_cap_run or not any(f.startswith("amx") for f in info["flags"]) or info["caps"]["ONEDNN_MAX_CPU_ISA"]: return
-    print("\nagain with oneDNN capped below AMX (ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16):", flush=True)
+    print(f"\nagain as a CPU without AMX ({' '.join(f'{k}={v}' for k, v in CAPS_BELOW_AMX.items())}):", flush=True)
     cmd = [sys.executable, script, *[x for x in sys.argv[1:] if x != "--no-cap-run"], "--no-cap-run"]
     if args.out: cmd[cmd.index("--out") + 1] = args.out + ".capped.json"
-    subprocess.run(cmd, env={**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}, check=True)
+    subprocess.run(cmd, env={**os.environ, **CAPS_BELOW_AMX}, check=True)
 
 
 def workload(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
@@ -148,7 +152,7 @@ def main():
                     help="minisgl runs: minisgl (LLM() defaults), minisgl_mixed (mixed batches), minisgl_fp32 (dtype float32)")
     ap.add_argument("--llama-python", default=None, metavar="PATH", help="a Python with llama_cpp installed")
     ap.add_argument("--out", default=None, metavar="FILE.json")
-    ap.add_argument("--no-cap-run", action="store_true", help="on an AMX CPU, skip the run with oneDNN capped below AMX")
+    ap.add_argument("--no-cap-run", action="store_true", help="on an AMX CPU, skip the run capped below AMX (oneDNN and minisgl)")
     args = ap.parse_args()
 
     from minisgl.llm import LLM

@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--system", default=None, metavar="TEXT", help="a system prompt")
     _add_engine_options(sh)
     t = sub.add_parser("tune", help="measure the CPU matmul kernels for a model and show the plan",
-                       description="Time every CPU matmul kernel (GEMV, packed tiles, oneDNN, torch) for each weight shape "
+                       description="Time every CPU matmul kernel (GEMV, packed tiles, AMX, oneDNN, torch) for each weight shape "
                                    "of the model and each batch size, keep the fastest per shape and size, and save the plan "
                                    "where `minisgl serve` and `LLM` read it. The engine does this by itself on its first start.")
     t.add_argument("--show", action="store_true", help="print the saved plan (measuring only if there is none)")

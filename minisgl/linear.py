@@ -29,8 +29,8 @@ from .kernels import native
 
 # %% auto #0
 __all__ = ['GEMV_MAX_ROWS', 'KERNELS', 'LAYOUT', 'ROW_BUCKETS', 'GEMV_PLAN_MAX_ROWS', 'PLAN_FORMAT', 'logger', 'NATIVE_KERNELS',
-           'linear_ref', 'gemv_available', 'linear', 'onednn_bf16_available', 'kernel_runs', 'pack_weight',
-           'run_linear', 'cpu_signature', 'measure_linear', 'choose_kernels', 'KernelPlan', 'LinearSpec',
+           'linear_ref', 'gemv_available', 'linear', 'amx_available', 'onednn_bf16_available', 'kernel_runs',
+           'pack_weight', 'run_linear', 'cpu_signature', 'measure_linear', 'choose_kernels', 'KernelPlan', 'LinearSpec',
            'measure_plan', 'forced_plan', 'plan_cache_dir', 'plan_cache_file', 'kernel_plan', 'PackedLinear',
            'can_pack_linears', 'linear_specs', 'pack_linears', 'module_tensors', 'to_huge_pages']
 
@@ -78,9 +78,15 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     if bias is not None and bias.dtype != x.dtype: bias = bias.to(x.dtype)
     return F.linear(x, weight, bias)
 
+# %% ../nbs/04c_linear.ipynb #29cc1318
+def amx_available() -> bool:
+    "Whether the packed tiles run on AMX here: the CPU has AMX-BF16, Linux lent this process the tile state, no `MINISGL_CPU_ISA` cap."
+    ext = native()
+    return ext is not None and hasattr(ext, 'linear_amx_available') and ext.linear_amx_available()
+
 # %% ../nbs/04c_linear.ipynb #98ce09e2
-KERNELS = ('gemv', 'tiles', 'onednn', 'torch')
-LAYOUT = {'gemv': 'plain', 'tiles': 'tiles', 'onednn': 'onednn', 'torch': 'plain'}
+KERNELS = ('gemv', 'tiles', 'amx', 'onednn', 'torch')
+LAYOUT = {'gemv': 'plain', 'tiles': 'tiles', 'amx': 'tiles', 'onednn': 'onednn', 'torch': 'plain'}
 ROW_BUCKETS = (1, 2, 3, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)   # rows are looked up in the next bucket up
 GEMV_PLAN_MAX_ROWS = 8   # the GEMV's register block: past it every 8 rows stream W again
 
@@ -97,6 +103,7 @@ def kernel_runs(kernel: str, rows: int, in_features: int = 2) -> bool:
     if kernel == 'gemv': return gemv_available() and rows <= GEMV_PLAN_MAX_ROWS
     if kernel == 'tiles': return (ext is not None and hasattr(ext, 'linear_packed') and ext.linear_packed_available()
                                   and in_features % 2 == 0)
+    if kernel == 'amx': return amx_available() and in_features % 32 == 0
     if kernel == 'onednn': return onednn_bf16_available()
     if kernel == 'torch': return True
     raise ValueError(f'kernel must be one of {KERNELS}, got {kernel!r}')
@@ -114,12 +121,13 @@ def run_linear(kernel: str, x: Tensor, w: Tensor, out_features: int, bias: Tenso
     "`x` [M, K] times a weight held in `kernel`'s layout (`pack_weight(LAYOUT[kernel], W)`), plus `bias`: [M, out_features]."
     if kernel == 'gemv': return native().linear_gemv(x, w, bias)
     if kernel == 'tiles': return native().linear_packed(x, w, out_features, bias)
+    if kernel == 'amx': return native().linear_packed(x, w, out_features, bias, True)
     if kernel == 'onednn': return torch.ops.mkldnn._linear_pointwise(x, w, bias, 'none', [], '')
     if kernel == 'torch': return F.linear(x, w, bias)
     raise ValueError(f'kernel must be one of {KERNELS}, got {kernel!r}')
 
 # %% ../nbs/04c_linear.ipynb #84e7cdd2
-PLAN_FORMAT = 2   # bumped when the plan file's layout or the way it is measured changes
+PLAN_FORMAT = 3   # bumped when the plan file's layout or the way it is measured changes
 
 def _cpu_model_and_flags() -> tuple[str, list[str]]:
     model, flags = platform.processor() or platform.machine(), []
@@ -338,7 +346,7 @@ def kernel_plan(specs: dict[tuple[int, int], LinearSpec], kernels: str = 'auto',
     return plan
 
 # %% ../nbs/04c_linear.ipynb #d9a4d2f0
-NATIVE_KERNELS = ('gemv', 'tiles')   # the kernels chapter 05's one-call decode step runs itself
+NATIVE_KERNELS = ('gemv', 'tiles', 'amx')   # the kernels chapter 05's one-call decode step runs itself
 
 class PackedLinear(nn.Module):
     "An `nn.Linear` (bf16, CPU) that runs the kernel its `KernelPlan` picked for each number of rows."

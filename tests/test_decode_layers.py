@@ -218,17 +218,20 @@ needs_tiles = pytest.mark.skipif(EXT is None or not hasattr(EXT, "linear_packed"
 
 
 @needs_tiles
+@pytest.mark.parametrize("body", ["tiles", "amx"])
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])
 @pytest.mark.parametrize("rows", [1, 3, 5, 8, 33, 64])
-def test_native_over_packed_tiles(model_type, rows):
-    "The engine's packed projections (chapter 08): batches up to 64 rows, row-split kernels, attention tasks on all threads."
-    from minisgl.linear import forced_plan, linear_specs, pack_linears
+def test_native_over_packed_tiles(model_type, rows, body):
+    """The engine's packed projections (chapter 08): batches up to 64 rows, row-split kernels, attention tasks on all
+    threads; the tiles' products on AVX512-BF16 / AVX2 dot products, or on AMX where this CPU has it."""
+    from minisgl.linear import amx_available, forced_plan, linear_specs, pack_linears
+    if body == "amx" and not amx_available(): pytest.skip("no AMX on this CPU (or the OS refused its tile state)")
     m = tiny(model_type, seed=rows)
     with torch.no_grad():
         for n, p in m.named_parameters():
             if n.endswith("bias"): p.normal_()
-    pack_linears(m, forced_plan(linear_specs(m, 64), "tiles"))
-    assert m.layers[0].mlp.down_proj.tiles is not None and m.layers[0].mlp.down_proj.kernel_for(rows) == "tiles"
+    pack_linears(m, forced_plan(linear_specs(m, 64), body))
+    assert m.layers[0].mlp.down_proj.tiles is not None and m.layers[0].mlp.down_proj.kernel_for(rows) == body
     x, ctx = step_inputs(m, rows, slots=8 * rows + 64)
     assert m._direct_decode(x, ctx)
     assert_same(m, x, ctx)

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from minisgl import kernels
-from minisgl.linear import (KERNELS, LAYOUT, ROW_BUCKETS, LinearSpec, PackedLinear, choose_kernels, forced_plan,
+from minisgl.linear import (KERNELS, LAYOUT, NATIVE_KERNELS, ROW_BUCKETS, LinearSpec, PackedLinear, choose_kernels, forced_plan,
                             kernel_plan, kernel_runs, linear_ref, linear_specs, measure_linear, pack_linears, pack_weight,
                             plan_cache_file, run_linear)
 
@@ -206,8 +206,8 @@ def test_fused_decode_follows_the_plan():
                                  torch.zeros(rows, dtype=torch.int32), torch.ones(rows, dtype=torch.int32),
                                  torch.ones(rows, dtype=torch.int32), [], fused=True)
             x = torch.zeros(rows, 64, dtype=torch.bfloat16)
-            want = kernel in ("gemv", "tiles") and kernel_runs(kernel, rows)   # else the plan fell back to oneDNN
-            assert (m.layers[0].mlp.down_proj.kernel_for(rows) in ("gemv", "tiles")) == want
+            want = kernel in NATIVE_KERNELS and kernel_runs(kernel, rows, 64)   # else the plan fell back to oneDNN
+            assert (m.layers[0].mlp.down_proj.kernel_for(rows) in NATIVE_KERNELS) == want
             assert m._direct_decode(x, ctx) == want, (kernel, rows)
 
 

@@ -5,7 +5,8 @@ a multiple of the vector width and odd N, 1..8 rows (and more, which re-stream t
 bf16 and fp32 x, strided rows; the `MINISGL_CPU_ISA` cap in a subprocess; the argument checks. And the batch
 kernel over packed weights (`linear_packed`: AVX512-BF16 dot products, else the AVX2 body): random shapes,
 prefill-sized row counts, exact rounding to nearest even, the model's shapes against the GEMV, the cap, its
-argument checks."""
+argument checks. And the same packed weight on AMX (`linear_packed(..., amx=True)`, where the CPU has it): the same
+checks, and AMX turned off cleanly by a cap or by a kernel that refuses the tile state."""
 import os
 import subprocess
 import sys
@@ -200,3 +201,109 @@ def test_packed_errors():
     with pytest.raises(RuntimeError, match="bias"): EXT.linear_packed(x, p, 20, torch.randn(7))
     with pytest.raises(RuntimeError, match="pack_linear_weight"): EXT.linear_packed(x, w, 20)
     assert EXT.linear_packed(x[:0], p, 20).shape == (0, 20)
+
+
+# ---------------------------------------------------------------- linear_packed on AMX (csrc/cpu/gemm_amx.cpp)
+needs_amx = pytest.mark.skipif(not L.amx_available(), reason="no AMX-BF16 on this CPU (or the OS refused its tile state)")
+
+
+@needs_amx
+@pytest.mark.parametrize("seed", range(6))
+def test_amx_random_shapes(seed):
+    "Any M (tails of the 16- and 32-row blocks), N (a lone last block), K a multiple of 32; strided x; bias or not."
+    g = torch.Generator().manual_seed(seed)
+    M = int(torch.randint(1, 300, (1,), generator=g))
+    N = int(torch.randint(1, 200, (1,), generator=g))
+    K = 32 * int(torch.randint(1, 40, (1,), generator=g))
+    x = torch.randn(M, K + 6, generator=g).bfloat16()[:, 3:K + 3]
+    w, b = torch.randn(N, K, generator=g).bfloat16(), torch.randn(N, generator=g).bfloat16()
+    p = EXT.pack_linear_weight(w)
+    for bias in (None, b):
+        y = EXT.linear_packed(x, p, N, bias, True)
+        assert y.dtype == torch.bfloat16 and y.shape == (M, N)
+        torch.testing.assert_close(y.float(), ref(x, w, bias).bfloat16().float(), atol=2e-2 * K ** 0.5, rtol=1.6e-2)
+
+
+@needs_amx
+@pytest.mark.parametrize("K", [576, 1536])
+def test_amx_chunks_and_groups(K):
+    """Row counts around the chunks of x (224 rows at K=576, 64 at K=1536) and enough outputs for several groups of
+    W (28 and 10 blocks): the AMX body and the dot-product body agree to bf16 rounding everywhere."""
+    torch.manual_seed(K)
+    w = torch.randn(1000, K).bfloat16()
+    p = EXT.pack_linear_weight(w)
+    for M in (1, 31, 32, 63, 64, 65, 223, 224, 225, 450):
+        x = torch.randn(M, K).bfloat16()
+        torch.testing.assert_close(EXT.linear_packed(x, p, 1000, None, True).float(), EXT.linear_packed(x, p, 1000).float(),
+                                   atol=1e-2 * K ** 0.5, rtol=1.6e-2)
+
+
+@needs_amx
+def test_amx_rounds_to_nearest_even():
+    "Small integers multiply and sum exactly in fp32, so the AMX body's output is torch's bf16 rounding of the exact sum, bit for bit."
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(-7, 8, (37, 64), generator=g).float()
+    w = torch.randint(-7, 8, (45, 64), generator=g).float()
+    b = torch.randint(-300, 300, (45,), generator=g).bfloat16()
+    exact = (x.double() @ w.double().T + b.double()).float()
+    y = EXT.linear_packed(x.bfloat16(), EXT.pack_linear_weight(w.bfloat16()), 45, b, True)
+    assert torch.equal(y, exact.bfloat16())
+
+
+AMX_PROBE = ("import torch; from minisgl import _C; from minisgl.linear import amx_available, kernel_runs;"
+             "print(_C.linear_amx_available(), amx_available(), kernel_runs('amx', 8, 576));"
+             "p = _C.pack_linear_weight(torch.randn(40, 96).bfloat16()); x = torch.randn(13, 96).bfloat16();"
+             "assert _C.linear_packed(x, p, 40).shape == (13, 40)\n"   # the other bodies still run
+             "try: _C.linear_packed(x, p, 40, None, True)\n"
+             "except RuntimeError as e: print('refused:', e)")
+
+
+@needs_tiles
+def test_amx_capped():
+    "Any MINISGL_CPU_ISA cap turns the AMX body off (the capped plans of the benchmarks imitate a CPU without AMX)."
+    r = subprocess.run([sys.executable, "-c", AMX_PROBE], capture_output=True, text=True,
+                       env={**os.environ, "MINISGL_CPU_ISA": "avx512bf16"}, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[0] == "False False False"
+    assert "AMX does not run here" in r.stdout
+
+
+SECCOMP_C = r"""
+#include <errno.h>
+#include <linux/filter.h>
+#include <linux/seccomp.h>
+#include <stddef.h>
+#include <sys/prctl.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+/* Runs argv[1:] with arch_prctl(ARCH_REQ_XCOMP_PERM, ...) failing with EPERM, as on a kernel that refuses AMX. */
+int main(int argc, char** argv) {
+  struct sock_filter f[] = {
+      BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, nr)),
+      BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, SYS_arch_prctl, 0, 3),
+      BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, args[0])),
+      BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, 0x1023, 0, 1),
+      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | EPERM),
+      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+  };
+  struct sock_fprog prog = {sizeof f / sizeof f[0], f};
+  if (argc < 2 || prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) || prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &prog)) return 126;
+  execvp(argv[1], argv + 1);
+  return 127;
+}
+"""
+
+
+@needs_tiles
+@pytest.mark.skipif(sys.platform != "linux", reason="arch_prctl and seccomp are Linux's")
+def test_amx_refused_by_the_kernel(tmp_path):
+    """Where Linux refuses the tile state, the extension says AMX does not run and the plan never offers it: no
+    SIGILL. Run for real under a seccomp filter that makes that one arch_prctl call fail."""
+    src, exe = tmp_path / "no_amx.c", tmp_path / "no_amx"
+    src.write_text(SECCOMP_C)
+    subprocess.run(["gcc", "-O1", str(src), "-o", str(exe)], check=True, capture_output=True)
+    r = subprocess.run([str(exe), sys.executable, "-c", AMX_PROBE], capture_output=True, text=True,
+                       env={**os.environ, "MINISGL_CPU_ISA": ""}, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[0] == "False False False"
+    assert "AMX does not run here" in r.stdout

@@ -252,17 +252,20 @@ MINISGL_T256 void blocks_256(const uint16_t* x, int64_t xs, int64_t M, const uin
 
 }  // namespace
 
-TilesPlan make_tiles_plan(const at::Tensor& packed, int64_t N, const float* bias, int64_t parts) {
+TilesPlan make_tiles_plan(const at::Tensor& packed, int64_t N, const float* bias, int64_t parts, bool amx) {
+  TORCH_CHECK(!amx || amx_available(), "linear_packed: AMX does not run here (amx_available() is false)");
+  TORCH_CHECK(!amx || packed.size(1) % 16 == 0, "linear_packed: AMX needs K a multiple of 32, got K=", 2 * packed.size(1));
   TilesPlan p;
+  p.amx = amx;
   p.wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   p.bias = bias;
   p.N = N;
   p.K2 = packed.size(1);
   p.nblk = packed.size(0);
-  // Contiguous ranges of output blocks, a multiple of kNB, about equal per part.
-  const int64_t tiles = (p.nblk + kNB - 1) / kNB;
+  // Contiguous ranges of output blocks, a multiple of the body's register tile (kNB blocks; AMX: 2), about equal per part.
+  const int64_t unit = amx ? 2 : kNB, tiles = (p.nblk + unit - 1) / unit;
   p.parts = std::max<int64_t>(1, std::min<int64_t>(parts, tiles));
-  p.per = (tiles + p.parts - 1) / p.parts * kNB;
+  p.per = (tiles + p.parts - 1) / p.parts * unit;
   return p;
 }
 
@@ -273,7 +276,9 @@ void run_tiles_part(const TilesPlan& p, const void* x, int64_t xs, int64_t M, vo
   const int64_t nb0 = part * p.per, nb1 = std::min(p.nblk, nb0 + p.per);
   if (nb0 >= nb1) return;
   const bool y_f32 = yf == YFormat::f32_bf16_rounded;
-  if (tiles_isa() == TilesIsa::avx512bf16)
+  if (p.amx)
+    run_amx_part(p, static_cast<const uint16_t*>(x), xs, M, y, ys, y_f32, nb0, nb1);
+  else if (tiles_isa() == TilesIsa::avx512bf16)
     blocks(static_cast<const uint16_t*>(x), xs, M, p.wp, p.K2, p.bias, y, ys, y_f32, p.N, nb0, nb1);
   else
     blocks_256(static_cast<const uint16_t*>(x), xs, M, p.wp, p.K2, p.bias, y, ys, y_f32, p.N, nb0, nb1);
@@ -283,6 +288,8 @@ void run_tiles_part(const TilesPlan& p, const void* x, int64_t xs, int64_t M, vo
 }  // namespace cpu
 
 bool linear_packed_available() { return cpu::tiles_isa() != cpu::TilesIsa::none; }
+
+bool linear_amx_available() { return linear_packed_available() && cpu::amx_available(); }
 
 std::string linear_packed_isa() {
   switch (cpu::tiles_isa()) {
@@ -306,7 +313,7 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
 }
 
 at::Tensor linear_packed(const at::Tensor& x_in, const at::Tensor& packed, int64_t N,
-                         const c10::optional<at::Tensor>& bias) {
+                         const c10::optional<at::Tensor>& bias, bool amx) {
   using namespace cpu;
   TORCH_CHECK(linear_packed_available(), "linear_packed: needs a CPU with AVX2 and FMA (use linear_gemv or torch)");
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16 && x_in.device().is_cpu(),
@@ -327,9 +334,10 @@ at::Tensor linear_packed(const at::Tensor& x_in, const at::Tensor& packed, int64
   auto out = at::empty({M, N}, x_in.options());
   if (M == 0 || N == 0) return out;
   const auto x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
-  const TilesPlan p = make_tiles_plan(packed, N, b.defined() ? b.data_ptr<float>() : nullptr, at::get_num_threads());
+  const TilesPlan p = make_tiles_plan(packed, N, b.defined() ? b.data_ptr<float>() : nullptr, at::get_num_threads(), amx);
   at::parallel_for(0, p.parts, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t t = p0; t < p1; ++t) run_tiles_part(p, x.data_ptr(), x.stride(0), M, out.data_ptr(), N, YFormat::bf16, t);
+    if (amx) release_amx();
   });
   return out;
 }

@@ -53,15 +53,26 @@ enum class YFormat { f32, bf16, f32_bf16_rounded };
 void run_gemv_part(const GemvPlan& p, const void* x, int64_t xs, bool x_bf16, void* y, int64_t ys, YFormat yf,
                    int64_t part);
 
-// The batch kernel over packed weights (gemm_bf16.cpp: AVX512-BF16, else AVX2 + FMA): W packed by pack_linear_weight as
-// [nblk = ceil(N/16), K2 = K/2, 16, 2], split into `parts` contiguous ranges of output blocks.
+// The batch kernel over packed weights (gemm_bf16.cpp: AVX512-BF16, else AVX2 + FMA; or gemm_amx.cpp: AMX tiles):
+// W packed by pack_linear_weight as [nblk = ceil(N/16), K2 = K/2, 16, 2], split into `parts` contiguous ranges of
+// output blocks.
 struct TilesPlan {
   const uint16_t* wp = nullptr;
   const float* bias = nullptr;  // fp32 [N] or null; must outlive the plan's runs
   int64_t N = 0, K2 = 0, nblk = 0, parts = 1, per = 0;
+  bool amx = false;  // run on AMX (amx_available(), K a multiple of 32)
 };
 
-TilesPlan make_tiles_plan(const at::Tensor& packed, int64_t N, const float* bias, int64_t parts);
+// amx: run the AMX body (checked: the CPU and OS allow it, and K is a multiple of 32).
+TilesPlan make_tiles_plan(const at::Tensor& packed, int64_t N, const float* bias, int64_t parts, bool amx = false);
+
+// gemm_amx.cpp: whether AMX runs here (the CPU has it, Linux lent this process the tile state, MINISGL_CPU_ISA
+// does not cap it); output blocks [nb0, nb1) of a plan on AMX; and handing the tile state back, which a thread
+// that ran AMX parts calls when it is done with them.
+bool amx_available();
+void run_amx_part(const TilesPlan& p, const uint16_t* x, int64_t xs, int64_t M, void* y, int64_t ys, bool y_f32,
+                  int64_t nb0, int64_t nb1);
+void release_amx();
 
 // Runs part `part`: x bf16 bits [M, xs]; y [M, ys] as bf16 or as fp32 holding bf16 values (yf != f32).
 void run_tiles_part(const TilesPlan& p, const void* x, int64_t xs, int64_t M, void* y, int64_t ys, YFormat yf,

@@ -1,7 +1,8 @@
 // isa.h -- the instruction set the CPU kernels run (attention.cpp, fused.cpp), picked once at run time.
 //
 // MINISGL_CPU_ISA=avx512|avx2|baseline caps the choice (to test the narrower variants on a wide machine);
-// avx512bf16 is avx512 plus bf16 dot products (`vdpbf16ps`), which only some kernel bodies use.
+// avx512bf16 is avx512 plus bf16 dot products (`vdpbf16ps`), which only some kernel bodies use. AMX (the tiles'
+// other body, gemm_amx.cpp) is above them all: any cap turns it off.
 #pragma once
 #include <cstdlib>
 #include <string>
