@@ -11,7 +11,9 @@ NVIDIA's aiperf (PyPI) installs and runs offline against a running server (`aipe
 completions --streaming --concurrency 16 --tokenizer <the converted model directory> ...`), but its worker
 processes took 13.4 s of CPU in a 21 s run at concurrency 16, against 0.55 s for this client, so on a 2-core
 machine it takes a third of the cores from the server it measures: use it where cores are spare.
-`--peer-url` measures an already running OpenAI-compatible server the same way.
+`--peer-url` measures an already running OpenAI-compatible server the same way. On a CPU with AMX the run is repeated
+as a CPU without it (`bench_workload.run_capped`: oneDNN capped below AMX, minisgl's AMX kernel off; the servers
+inherit the caps), its JSON next to `--out` as `.capped.json`.
 
 llama-server is not on PyPI: build it once per machine from the llama.cpp vendored in llama-cpp-python's sdist
 (`pip download --no-binary :all: --no-deps llama-cpp-python`, then `cmake -B build -DLLAMA_BUILD_SERVER=ON
@@ -105,12 +107,13 @@ def main():
     ap.add_argument("--server-args", default="", help="extra `minisgl serve` options, e.g. '--prefill-budget 512'")
     ap.add_argument("--peer-url", default=None, help="also measure this running OpenAI-compatible server")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--no-cap-run", action="store_true", help="on an AMX CPU, skip the run capped below AMX (oneDNN and minisgl)")
     args = ap.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench_workload import machine
+    from bench_workload import banner, machine, run_capped
     info = machine()
-    print(f"{info['cpu']} ({info['cores']} cores, {' '.join(info['flags'])}), torch {info['torch']}; {args.requests} "
-          f"requests per run, 40-300-word prompts, {args.new_tokens} new tokens")
+    print(banner(info))
+    print(f"{args.requests} requests per run, 40-300-word prompts, {args.new_tokens} new tokens")
     print("| system | concurrency | output tok/s | TTFT p50 s | TTFT p99 s | ITL p50 ms | ITL p99 ms |\n|---|---:|---:|---:|---:|---:|---:|")
     rows = []
     targets = [(f"minisgl {p}", p) for p in args.policies.split(",") if p]
@@ -130,6 +133,7 @@ def main():
                   f"{r['itl_p50'] * 1e3:.0f} | {r['itl_p99'] * 1e3:.0f} |", flush=True)
     if args.out:
         with open(args.out, "w") as f: json.dump(dict(machine=info, args=vars(args), rows=rows), f, indent=1)
+    run_capped(__file__, args, info)   # the servers inherit the caps
 
 
 if __name__ == "__main__":

@@ -149,7 +149,8 @@ def test_cpu_bf16_bodies_tight(D, Hq, Hkv):
     """bf16 caches: on a CPU with AVX512-BF16 the extend kernel multiplies bf16 pairs (`vdpbf16ps`) and rounds P to
     bf16; the error must stay near bf16's own rounding of the output (8e-3, four times tighter than the sweep's
     bound), at every tile edge (16 / 32 / 64 keys), for head dims that are not a multiple of 64 (80: masked
-    tails), GQA groups of 1 to 8, windows, and q as a strided view; decode (the fp32 bodies) alike."""
+    tails), GQA groups of 1 to 8, windows, and q as a strided view; decode alike (on a CPU with AMX, head_dim 64
+    runs the AMX body, which also rounds P to bf16; other shapes the fp32 bodies)."""
     print("cpu kernels:", K.native().cpu_isa())
     lens = [1, 15, 16, 17, 31, 32, 33, 63, 64, 65, 129, 300]
     for window in (-1, 7, 40):
@@ -165,10 +166,10 @@ def test_cpu_bf16_bodies_tight(D, Hq, Hkv):
 @needs_ext
 def test_cpu_decode_long_single_request_splits_keys():
     "One long request in a small batch is split into key chunks across threads; the merge must be exact."
-    case = make_case(7, [4000], page=64, Hq=9, Hkv=3)
-    assert_matches(run("decode_attention", case, "cpu"), sdpa_reference(**case), torch.float32)
-    assert_matches(run("decode_attention", case, "cpu", 1000), sdpa_reference(**case, sliding_window=1000),
-                   torch.float32)
+    for dtype in (torch.float32, torch.bfloat16):   # bf16, head_dim 64: the AMX body where the CPU has it
+        case = make_case(7, [4000], page=64, Hq=9, Hkv=3, dtype=dtype)
+        assert_matches(run("decode_attention", case, "cpu"), sdpa_reference(**case), dtype)
+        assert_matches(run("decode_attention", case, "cpu", 1000), sdpa_reference(**case, sliding_window=1000), dtype)
 
 
 @needs_ext

@@ -20,7 +20,8 @@
 // ISA: the task bodies are templates instantiated inside wrappers compiled for AVX-512, AVX2 and the
 // baseline (GCC/Clang `target` + `flatten`), and the best one is chosen once at run time, so the wheel
 // stays portable while the hot loops use the widest vectors the machine has. bf16 caches on a CPU with
-// AVX512-BF16 take the extend body of attention_bf16.h instead (bf16 dot products, no widening of K/V).
+// AVX512-BF16 take the extend body of attention_bf16.h instead (bf16 dot products, no widening of K/V), and on a
+// CPU with AMX the decode body of attention_amx.h (head_dim 64: both products on tiles).
 //
 // Trust: table rows, lengths and extend lengths are checked here; the slots stored in the page table are
 // not (that would cost a pass over every position) -- they come from the scheduler's allocator.
@@ -31,6 +32,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -41,6 +43,7 @@
 
 #include "../common.h"
 #include "../ops.h"
+#include "amx.h"
 #include "attention_plan.h"
 #include "isa.h"
 #include "vec.h"
@@ -255,6 +258,7 @@ inline void extend_task(const Args& a, int64_t q_begin, int64_t row, int64_t L, 
 
 #if defined(__GNUC__) && defined(__x86_64__)
 #include "attention_bf16.h"
+#include "attention_amx.h"
 #endif
 
 // ---------------------------------------------------------------- ISA variants
@@ -324,6 +328,10 @@ MINISGL_DEFINE_VARIANTS(c10::BFloat16, bf16)
 MINISGL_DEFINE_VARIANTS(c10::Half, f16)
 
 #ifdef MINISGL_X86
+// bf16 caches on a CPU with AMX: the decode body of attention_amx.h (head_dim 64, up to 16 heads per group).
+MINISGL_TARGET_AMX void decode_bf16_amx(const Args& a, const DecodeTask& t, float* parts, Scratch&) {
+  amx_attn::decode_task(a, t.b, t.row, t.h, t.k0, t.k1, parts + t.part * a.G * (a.D + 2));
+}
 // bf16 caches on a CPU with AVX512-BF16: the extend body of attention_bf16.h (even head_dim only).
 MINISGL_TARGET_BF16 void extend_bf16_dot(const Args& a, const ExtendTask& t, Scratch& sc) {
   bf16::extend_task(a, t.q_begin, t.row, t.L, t.ext, t.h, t.i0, t.i1, sc);
@@ -351,8 +359,11 @@ bool bf16_dot(int64_t D) {
 #endif
 }
 
-DecodeFn pick_decode(at::ScalarType dt) {
+DecodeFn pick_decode(at::ScalarType dt, int64_t D, int64_t G) {
   if (dt == at::kFloat) return MINISGL_PICK(decode, f32);
+#ifdef MINISGL_X86
+  if (dt == at::kBFloat16 && amx_attn::runs(D, G)) return decode_bf16_amx;
+#endif
   if (dt == at::kBFloat16) return MINISGL_PICK(decode, bf16);   // bf16 dots measured no faster here (attention_bf16.h)
   return MINISGL_PICK(decode, f16);
 }
@@ -419,11 +430,13 @@ void run_dynamic(int64_t ntasks, int64_t macs, int64_t max_M, int64_t D, int64_t
   if (nthreads <= 1) {
     Scratch sc(max_M, D, G);
     for (int64_t t = 0; t < ntasks; ++t) fn(t, sc);
+    release_amx();
     return;
   }
   at::parallel_for(0, nthreads, 1, [&](int64_t, int64_t) {
     Scratch sc(max_M, D, G);
     for (int64_t t; (t = next.fetch_add(1, std::memory_order_relaxed)) < ntasks;) fn(t, sc);
+    release_amx();   // where a task ran on AMX (attention_amx.h)
   });
 }
 
@@ -505,7 +518,7 @@ DecodeAttentionPlan::DecodeAttentionPlan(const at::Tensor& q, const at::Tensor& 
   at::Tensor o = out;
   p.a = make_args(q, k_cache, v_cache, page_table, scale, sliding_window, o);
   p.dtype = q.scalar_type();
-  p.fn = pick_decode(p.dtype);
+  p.fn = pick_decode(p.dtype, p.a.D, p.a.G);
   for (int64_t b = 0; b < p.B; ++b) TORCH_CHECK(lens[b] >= 1, "seq_lens[", b, "] must be >= 1 for decode");
   // Split long requests into key chunks when there are too few (request, head) pairs to feed every thread.
   const Args& a = p.a;

@@ -9,8 +9,9 @@
 // scores. P is rounded to bf16 (as flash attention does on GPUs) and acc += P V uses V gathered as key pairs: a
 // line holds keys (2k, 2k+1) of 16 dims, multiplied by the broadcast pair (p[2k], p[2k+1]). Accumulation is
 // fp32 throughout; the scores are scaled in fp32 after the bf16 dot (q stays exact).
-// Decode keeps the fp32 bodies: one query per head makes it a stream over the cache, and a bf16-dot decode body
-// (dots of K rows, V rows interleaved into key pairs) measured no faster at contexts 256-4096 while rounding P.
+// Decode keeps the fp32 bodies here: one query per head makes it a stream over the cache, and a bf16-dot decode body
+// (dots of K rows, V rows interleaved into key pairs) measured no faster at contexts 256-4096 on a Zen 5 while
+// rounding P. On a CPU with AMX, decode takes attention_amx.h's body instead.
 #pragma once
 // <immintrin.h> is included at the top of attention.cpp (not here: this file is included inside a namespace).
 

@@ -110,7 +110,6 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_cpu(
   const char* fn = "decode_layers";
   TORCH_CHECK(amx.empty() || amx.size() == 5, fn, ": amx must be empty or name 5 projections (qkv, o, gate_up, down, "
               "lm_head), got ", amx.size());
-  const bool any_amx = std::find(amx.begin(), amx.end(), true) != amx.end();
   auto on_amx = [&](int which) { return !amx.empty() && amx[which]; };
   const size_t L = k_caches.size();
   TORCH_CHECK(L >= 1, fn, ": no layers");
@@ -320,7 +319,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_cpu(
           }))
         take_parts(head_plan, x, logits, YFormat::f32_bf16_rounded);
     }
-    if (any_amx) release_amx();
+    release_amx();  // where a matmul or the attention ran on AMX
     // Thread 0 reaches the region's closing barrier last: with OMP_WAIT_POLICY=PASSIVE a thread that waits
     // there sleeps, and thread 0 (the caller) should not need waking before it returns.
     if (tid != 0) {

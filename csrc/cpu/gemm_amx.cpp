@@ -85,6 +85,8 @@ MINISGL_TAMX void configure(int r0, int r1) {
     cfg.rows[t] = static_cast<uint8_t>(std::max(rows[t], 1));
     cfg.colsb[t] = 64;
   }
+  // GCC does not see ldtilecfg read cfg: with constant rows it dropped the stores above (found as a SIGILL)
+  __asm__ __volatile__("" : : "r"(&cfg) : "memory");
   _tile_loadconfig(&cfg);
   tile_config = key;
 }
@@ -179,6 +181,8 @@ MINISGL_TAMX void run_amx_part(const TilesPlan& p, const uint16_t* x, int64_t xs
   }
 }
 
+MINISGL_TAMX void amx_tiles_16x64() { configure(16, 16); }
+
 // Hands the tile state back (the thread's next ldtilecfg takes it again): a thread holding it makes every
 // context switch save and restore 8 KB more.
 MINISGL_TAMX void release_amx() {
@@ -190,6 +194,7 @@ MINISGL_TAMX void release_amx() {
 #else
 bool amx_available() { return false; }
 void run_amx_part(const TilesPlan&, const uint16_t*, int64_t, int64_t, void*, int64_t, bool, int64_t, int64_t) {}
+void amx_tiles_16x64() {}
 void release_amx() {}
 #endif
 

@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <string>
 
+#include "amx.h"
+
 namespace minisgl {
 namespace cpu {
 
@@ -66,13 +68,9 @@ struct TilesPlan {
 // amx: run the AMX body (checked: the CPU and OS allow it, and K is a multiple of 32).
 TilesPlan make_tiles_plan(const at::Tensor& packed, int64_t N, const float* bias, int64_t parts, bool amx = false);
 
-// gemm_amx.cpp: whether AMX runs here (the CPU has it, Linux lent this process the tile state, MINISGL_CPU_ISA
-// does not cap it); output blocks [nb0, nb1) of a plan on AMX; and handing the tile state back, which a thread
-// that ran AMX parts calls when it is done with them.
-bool amx_available();
+// gemm_amx.cpp: output blocks [nb0, nb1) of a plan on AMX (see amx.h for amx_available and release_amx).
 void run_amx_part(const TilesPlan& p, const uint16_t* x, int64_t xs, int64_t M, void* y, int64_t ys, bool y_f32,
                   int64_t nb0, int64_t nb1);
-void release_amx();
 
 // Runs part `part`: x bf16 bits [M, xs]; y [M, ys] as bf16 or as fp32 holding bf16 values (yf != f32).
 void run_tiles_part(const TilesPlan& p, const void* x, int64_t xs, int64_t M, void* y, int64_t ys, YFormat yf,

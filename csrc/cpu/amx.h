@@ -1,0 +1,17 @@
+// amx.h -- what the AMX kernels share (gemm_amx.cpp): whether AMX runs here, one thread's tile configuration, and
+// handing the tile state back.
+#pragma once
+
+namespace minisgl {
+namespace cpu {
+
+// Whether AMX runs here: the CPU has AMX-TILE and AMX-BF16, Linux lent this process the tile state (asked once,
+// arch_prctl ARCH_REQ_XCOMP_PERM), and MINISGL_CPU_ISA does not cap it.
+bool amx_available();
+// Configures this thread's eight tiles as 16 rows x 64 bytes (a no-op when they already are).
+void amx_tiles_16x64();
+// Hands the tile state back; a thread that ran AMX code calls it when it is done (a no-op when it holds none).
+void release_amx();
+
+}  // namespace cpu
+}  // namespace minisgl

@@ -1,0 +1,167 @@
+// attention_amx.h -- the bf16 decode body of attention.cpp on AMX tiles (included there, inside its anonymous
+// namespace, after attention_bf16.h: Args, slot_at, bf16::interleave come from there).
+//
+// A decode task is G query heads (one GQA group) against the keys [k0, k1) of one request. The fp32 body widens
+// every K and V element and spends most of its time on that and on the multiply-adds: on a 2-core Intel Xeon it
+// ran a 48-request step's attention at twice the time its bytes take to read. Here both products run on AMX, in
+// two passes over the task's keys, so that the sums can stay in the tiles (no online rescaling):
+//   1. S^T = K Q^T, 16 keys at a time: a tile of 16 K rows (loaded straight from the cache when the 16 slots are
+//      consecutive, as a page's are; else gathered) times Q^T in pairs layout ([d pair][head] words, zero past
+//      the G heads); the scores go to a per-thread buffer [key][16], and their maximum per head is kept;
+//   2. P = exp(scale (S - max)) for each head (fp32; its sum is the softmax denominator), rounded to bf16 as
+//      flash attention does, then O += P V, 32 keys at a time: V's rows interleaved into key pairs ([key pair]
+//      [dim] words, four tiles of 16 dims) and P as a tile [head][32 keys]; O stays in four tiles.
+// The task leaves the same partial state as the fp32 body (max, sum, weighted V of each head), so splitting long
+// requests and merging their parts are unchanged. head_dim 64 and G <= 16 only (the tiles hold 16 heads and four
+// blocks of 16 dims); other shapes keep the fp32 body.
+#pragma once
+
+#define MINISGL_TARGET_AMX \
+  __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c"), flatten))
+
+namespace amx_attn {
+
+constexpr int kD = 64;
+
+inline bool runs(int64_t D, int64_t G) { return D == kD && G >= 1 && G <= 16 && amx_available(); }
+
+// Rows of 64 bf16 (one K or V head of a key): copy, or zeros where there is no key.
+MINISGL_TARGET_AMX inline void load_row(const uint16_t* src, __m512i& lo, __m512i& hi) {
+  if (src) {
+    lo = _mm512_loadu_si512(src);
+    hi = _mm512_loadu_si512(src + 32);
+  } else {
+    lo = hi = _mm512_setzero_si512();
+  }
+}
+
+// Asks for the K or V rows (128 bytes each) of keys [from, to) of the task: pages are scattered, so the hardware
+// prefetchers cannot run ahead of a request's rows.
+MINISGL_TARGET_AMX inline void prefetch_rows(const Args& a, int64_t row, int64_t k0, const uint16_t* cache, int64_t s0,
+                                             int64_t from, int64_t to) {
+  for (int64_t j = from; j < to; ++j) {
+    const char* r = reinterpret_cast<const char*>(cache + slot_at(a, row, k0 + j) * s0);
+    _mm_prefetch(r, _MM_HINT_T2);
+    _mm_prefetch(r + 64, _MM_HINT_T2);
+  }
+}
+
+constexpr int64_t kAhead = 64;  // keys prefetched ahead of the one being read
+
+MINISGL_TARGET_AMX void decode_task(const Args& a, int64_t b, int64_t row, int64_t h, int64_t k0, int64_t k1,
+                                    float* part) {
+  const int G = static_cast<int>(a.G);
+  const int64_t n = k1 - k0, n32 = (n + 31) / 32 * 32;
+  const uint16_t* kc = static_cast<const uint16_t*>(a.k) + h * a.k_s1;
+  const uint16_t* vc = static_cast<const uint16_t*>(a.v) + h * a.v_s1;
+  const uint16_t* qb = static_cast<const uint16_t*>(a.q) + b * a.q_s0 + h * G * a.q_s1;
+  alignas(64) static thread_local uint32_t qt[2][16][16];  // Q^T per k step of 32 dims: [d pair][head]
+  alignas(64) static thread_local uint16_t kbuf[16][kD];   // gathered K rows
+  alignas(64) static thread_local uint32_t vt[4][16][16];  // V per block of 16 dims: [key pair][dim]
+  alignas(64) static thread_local uint16_t pbuf[16][32];   // P: [head][key]
+  alignas(64) static thread_local float ob[4][16][16];     // O per block of 16 dims: [head][dim]
+  static thread_local std::vector<float> st;                // S^T: [key][head]
+  if (static_cast<int64_t>(st.size()) < n32 * 16) st.resize(n32 * 16);
+  std::memset(qt, 0, sizeof qt);
+  for (int g = 0; g < G; ++g) {
+    uint32_t qr[kD / 2];
+    std::memcpy(qr, qb + g * a.q_s1, sizeof qr);
+    for (int s = 0; s < 2; ++s)
+      for (int dp = 0; dp < 16; ++dp) qt[s][dp][g] = qr[16 * s + dp];
+  }
+  amx_tiles_16x64();
+  _tile_loadd(4, qt[0], 64);
+  _tile_loadd(5, qt[1], 64);
+
+  // Pass 1: S^T = K Q^T, 16 keys per tile.
+  __m512 mx = _mm512_set1_ps(kNegInf);
+  for (int64_t t0 = 0; t0 < n32; t0 += 16) {
+    float* srow = st.data() + t0 * 16;
+    const int cnt = static_cast<int>(std::min<int64_t>(16, n - t0));
+    if (cnt <= 0) {  // the second half of the last 32: no keys
+      for (int j = 0; j < 16; ++j) _mm512_storeu_ps(srow + 16 * j, _mm512_set1_ps(kNegInf));
+      continue;
+    }
+    const int64_t s0 = slot_at(a, row, k0 + t0);
+    bool consecutive = cnt == 16;
+    for (int j = 1; j < cnt && consecutive; ++j) consecutive = slot_at(a, row, k0 + t0 + j) == s0 + j;
+    const uint16_t* base = kc + s0 * a.k_s0;
+    int64_t stride = a.k_s0 * 2;
+    if (!consecutive) {
+      for (int j = 0; j < 16; ++j) {
+        if (j < cnt) std::memcpy(kbuf[j], kc + slot_at(a, row, k0 + t0 + j) * a.k_s0, kD * 2);
+        else std::memset(kbuf[j], 0, kD * 2);
+      }
+      base = kbuf[0];
+      stride = kD * 2;
+    }
+    if (t0 == 0) prefetch_rows(a, row, k0, kc, a.k_s0, 16, std::min(n, kAhead));
+    prefetch_rows(a, row, k0, kc, a.k_s0, std::min(n, t0 + kAhead), std::min(n, t0 + kAhead + 16));
+    if (t0 + 16 >= n) prefetch_rows(a, row, k0, vc, a.v_s0, 0, std::min(n, kAhead));  // pass 2's first rows
+    _tile_zero(0);
+    _tile_loadd(2, base, stride);
+    _tile_loadd(3, base + 32, stride);
+    _tile_dpbf16ps(0, 2, 4);
+    _tile_dpbf16ps(0, 3, 5);
+    _tile_stored(0, srow, 64);
+    for (int j = 0; j < cnt; ++j) mx = _mm512_max_ps(mx, _mm512_loadu_ps(srow + 16 * j));
+    for (int j = cnt; j < 16; ++j) _mm512_storeu_ps(srow + 16 * j, _mm512_set1_ps(kNegInf));  // no weight
+  }
+  alignas(64) float mh[16];
+  _mm512_store_ps(mh, _mm512_mul_ps(mx, _mm512_set1_ps(a.scale)));  // the scaled maximum per head
+
+  // Pass 2: P = exp(scale S - max), O += P V, 32 keys per step.
+  float lsum[16] = {};
+  std::memset(pbuf, 0, sizeof pbuf);
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t t0 = 0; t0 < n32; t0 += 32) {
+    for (int g = 0; g < G; ++g) {
+      alignas(64) float e[32];
+      for (int j = 0; j < 32; ++j) e[j] = st[(t0 + j) * 16 + g] * a.scale;
+      lsum[g] += exp_sum(e, mh[g], 32);
+      const __m512bh p = _mm512_cvtne2ps_pbh(_mm512_load_ps(e + 16), _mm512_load_ps(e));
+      _mm512_store_si512(pbuf[g], (__m512i)p);
+    }
+    for (int tp = 0; tp < 16; ++tp) {
+      const int64_t k = t0 + 2 * tp;
+      const uint16_t* r0 = k < n ? vc + slot_at(a, row, k0 + k) * a.v_s0 : nullptr;
+      const uint16_t* r1 = k + 1 < n ? vc + slot_at(a, row, k0 + k + 1) * a.v_s0 : nullptr;
+      __m512i a0, a1, b0, b1, lo, hi;
+      load_row(r0, a0, a1);
+      load_row(r1, b0, b1);
+      bf16::interleave(a0, b0, lo, hi);
+      _mm512_store_si512(vt[0][tp], lo);
+      _mm512_store_si512(vt[1][tp], hi);
+      bf16::interleave(a1, b1, lo, hi);
+      _mm512_store_si512(vt[2][tp], lo);
+      _mm512_store_si512(vt[3][tp], hi);
+    }
+    prefetch_rows(a, row, k0, vc, a.v_s0, std::min(n, t0 + kAhead), std::min(n, t0 + kAhead + 32));
+    _tile_loadd(4, pbuf, 64);
+    _tile_loadd(5, vt[0], 64);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(6, vt[1], 64);
+    _tile_dpbf16ps(1, 4, 6);
+    _tile_loadd(7, vt[2], 64);
+    _tile_dpbf16ps(2, 4, 7);
+    _tile_loadd(5, vt[3], 64);
+    _tile_dpbf16ps(3, 4, 5);
+  }
+  _tile_stored(0, ob[0], 64);
+  _tile_stored(1, ob[1], 64);
+  _tile_stored(2, ob[2], 64);
+  _tile_stored(3, ob[3], 64);
+  float* m = part;
+  float* l = part + G;
+  float* acc = part + 2 * G;
+  for (int g = 0; g < G; ++g) {
+    m[g] = mh[g];
+    l[g] = lsum[g];
+    for (int d = 0; d < 4; ++d) std::memcpy(acc + g * kD + 16 * d, ob[d][g], 16 * sizeof(float));
+  }
+}
+
+}  // namespace amx_attn
