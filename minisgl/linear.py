@@ -162,6 +162,12 @@ _PASS_FLOPS = 2e9            # per timed pass: fewer copies for big calls
 _MAX_CALL_FLOPS = 8e9        # calls above this are not timed
 _HOPELESS = 4.0              # a candidate this many times slower than the best at one bucket is not timed past it,
 _PRUNE_FROM = 16             # ... from this many rows on (below, memory-bound kernels may cross over later)
+_UNEVEN_FROM = 128           # buckets from here on are also timed at an uneven count of rows inside them
+
+
+def _uneven(m: int) -> int:
+    "An uneven number of rows inside the bucket that ends at `m` (the middle of it, plus one)."
+    return (ROW_BUCKETS[ROW_BUCKETS.index(m) - 1] + m) // 2 + 1 if m in ROW_BUCKETS[1:] else m
 
 
 def measure_linear(out_features: int, in_features: int, rows: list[int], copies: int = 1,
@@ -177,16 +183,19 @@ def measure_linear(out_features: int, in_features: int, rows: list[int], copies:
     for m in rows:
         flops = 2 * m * n * k
         if flops > _MAX_CALL_FLOPS and m != rows[0]: break
-        x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
         use = max(1, min(copies, int(_PASS_FLOPS // flops)))
         here = [kern for kern in kernels if kernel_runs(kern, m, k)]
+        sizes = [m] + ([_uneven(m)] if m >= _UNEVEN_FROM and _uneven(m) != m else [])
+        xs = [torch.randn(r, k, generator=gen).to(torch.bfloat16) for r in sizes]
         samples = {kern: [] for kern in here}
         for rep in range(reps + 1):           # the first round warms up (page faults, oneDNN's kernel cache)
             for kern in here:
-                wl = packed[kern]
-                t0 = time.perf_counter()
-                for w in wl[:use]: run_linear(kern, x, w, n)
-                if rep: samples[kern].append((time.perf_counter() - t0) / use)
+                wl, secs = packed[kern], 0.0
+                for x in xs:                  # per row, scaled to m rows: an average over the bucket
+                    t0 = time.perf_counter()
+                    for w in wl[:use]: run_linear(kern, x, w, n)
+                    secs += (time.perf_counter() - t0) / use * m / x.shape[0] / len(xs)
+                if rep: samples[kern].append(secs)
         for kern in here: times[kern][m] = statistics.median(samples[kern])
         lasting = [kern for kern in here if kernel_runs(kern, rows[-1], k)]   # those that run every bucket
         if m >= _PRUNE_FROM and lasting:   # compute-bound sizes, where the order of the kernels holds as rows grow

@@ -10,6 +10,9 @@ namespace cpu {
 bool amx_available();
 // Configures this thread's eight tiles as 16 rows x 64 bytes (a no-op when they already are).
 void amx_tiles_16x64();
+// Configures them as gemm_amx.cpp's blocks: tmm0, tmm1 and tmm4 hold r0 rows, tmm2, tmm3 and tmm5 r1 rows (1 to 16;
+// 0 counts as 1), tmm6 and tmm7 16 rows; 64 bytes per row.
+void amx_tiles_rows(int r0, int r1);
 // Hands the tile state back; a thread that ran AMX code calls it when it is done (a no-op when it holds none).
 void release_amx();
 

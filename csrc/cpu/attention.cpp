@@ -21,7 +21,7 @@
 // baseline (GCC/Clang `target` + `flatten`), and the best one is chosen once at run time, so the wheel
 // stays portable while the hot loops use the widest vectors the machine has. bf16 caches on a CPU with
 // AVX512-BF16 take the extend body of attention_bf16.h instead (bf16 dot products, no widening of K/V), and on a
-// CPU with AMX the decode body of attention_amx.h (head_dim 64: both products on tiles).
+// CPU with AMX the decode and extend bodies of attention_amx.h (both products on tiles).
 //
 // Trust: table rows, lengths and extend lengths are checked here; the slots stored in the page table are
 // not (that would cost a pass over every position) -- they come from the scheduler's allocator.
@@ -332,6 +332,10 @@ MINISGL_DEFINE_VARIANTS(c10::Half, f16)
 MINISGL_TARGET_AMX void decode_bf16_amx(const Args& a, const DecodeTask& t, float* parts, Scratch&) {
   amx_attn::decode_task(a, t.b, t.row, t.h, t.k0, t.k1, parts + t.part * a.G * (a.D + 2));
 }
+// bf16 caches on a CPU with AMX: the extend body of attention_amx.h (head_dim a multiple of 32).
+MINISGL_TARGET_AMX void extend_bf16_amx(const Args& a, const ExtendTask& t, Scratch& sc) {
+  amx_attn::extend_task(a, t.q_begin, t.row, t.L, t.ext, t.h, t.i0, t.i1, sc);
+}
 // bf16 caches on a CPU with AVX512-BF16: the extend body of attention_bf16.h (even head_dim only).
 MINISGL_TARGET_BF16 void extend_bf16_dot(const Args& a, const ExtendTask& t, Scratch& sc) {
   bf16::extend_task(a, t.q_begin, t.row, t.L, t.ext, t.h, t.i0, t.i1, sc);
@@ -370,6 +374,7 @@ DecodeFn pick_decode(at::ScalarType dt, int64_t D, int64_t G) {
 ExtendFn pick_extend(at::ScalarType dt, int64_t D) {
   if (dt == at::kFloat) return MINISGL_PICK(extend, f32);
 #ifdef MINISGL_X86
+  if (dt == at::kBFloat16 && amx_attn::extend_runs(D)) return extend_bf16_amx;
   if (dt == at::kBFloat16 && bf16_dot(D)) return extend_bf16_dot;
 #endif
   if (dt == at::kBFloat16) return MINISGL_PICK(extend, bf16);

@@ -1,4 +1,4 @@
-// attention_amx.h -- the bf16 decode body of attention.cpp on AMX tiles (included there, inside its anonymous
+// attention_amx.h -- the bf16 decode and extend bodies of attention.cpp on AMX tiles (included there, inside its anonymous
 // namespace, after attention_bf16.h: Args, slot_at, bf16::interleave come from there).
 //
 // A decode task is G query heads (one GQA group) against the keys [k0, k1) of one request. The fp32 body widens
@@ -162,6 +162,167 @@ MINISGL_TARGET_AMX void decode_task(const Args& a, int64_t b, int64_t row, int64
     l[g] = lsum[g];
     for (int d = 0; d < 4; ++d) std::memcpy(acc + g * kD + 16 * d, ob[d][g], 16 * sizeof(float));
   }
+}
+
+// r[i] word j -> r[j] word i: a 16 x 16 transpose of 32-bit words, in four rounds of shuffles.
+MINISGL_TARGET_AMX inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 16; i += 8)
+    for (int j = 0; j < 4; ++j) {
+      t[i + j] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0x88);
+      t[i + j + 4] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0xdd);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+  }
+}
+
+// Extend (prefill) on AMX: the task and the gathered tiles of bf16::extend_task (K as dim pairs of 16 keys, V as key
+// pairs of each dim: both are AMX's B layout already), with the two products on tiles, 16 (query, head) rows at a
+// time: S = Q K^T two key blocks per pass (tmm0, tmm1 from Q in tmm4 and K in tmm6, tmm7), and acc += P V two
+// blocks of 16 dims at a time, the fp32 acc loaded into tmm0, tmm1 and stored back (the online softmax rescales it
+// in memory, as the vector body does). head_dim a multiple of 32.
+inline bool extend_runs(int64_t D) { return D % 32 == 0 && D <= 256 && amx_available(); }
+
+MINISGL_TARGET_AMX void extend_task(const Args& a, int64_t q_begin, int64_t row, int64_t L, int64_t ext, int64_t h,
+                                    int64_t i0, int64_t i1, Scratch& sc) {
+  constexpr int kRows = 16;
+  const int D = static_cast<int>(a.D), D2 = D / 2, Dp = D;  // D % 32 == 0
+  const int G = static_cast<int>(a.G), nq = static_cast<int>(i1 - i0), M = nq * G;
+  float *acc = sc.acc.data(), *m = sc.m.data(), *l = sc.l.data(), *S = sc.s.data();
+  const size_t h_size = sc.q.size() + sc.s.size() + Dp, w_size = kTileK * D2 + kTileK / 2 * Dp;
+  if (sc.h.size() != h_size) sc.h.assign(h_size, 0);
+  if (sc.w.size() != w_size) sc.w.assign(w_size, 0);
+  uint16_t* qb = sc.h.data();            // [M][D]
+  uint16_t* pb = qb + M * D;             // [M][kTileK]
+  uint32_t* kp = sc.w.data();            // [kTileK / 16][D2][16]
+  uint32_t* vp = kp + kTileK * D2;       // [kTileK / 2][Dp]
+  int *jlo = sc.jlo.data(), *jhi = sc.jhi.data();
+  const uint16_t* q = static_cast<const uint16_t*>(a.q);
+  for (int i = 0; i < nq; ++i)
+    for (int g = 0; g < G; ++g)
+      std::memcpy(qb + (i * G + g) * D, q + (q_begin + i0 + i) * a.q_s0 + (h * G + g) * a.q_s1, 2 * D);
+  std::fill(acc, acc + M * Dp, 0.f);
+  std::fill(m, m + M, kNegInf);
+  std::fill(l, l + M, 0.f);
+  const int64_t p_first = L - ext + i0, p_last = L - ext + i1 - 1;
+  const int64_t k_lo = a.window > 0 ? std::max<int64_t>(0, p_first - a.window + 1) : 0;
+  const int64_t k_hi = p_last + 1;
+  const uint16_t* kc = static_cast<const uint16_t*>(a.k) + h * a.k_s1;
+  const uint16_t* vc = static_cast<const uint16_t*>(a.v) + h * a.v_s1;
+  const int steps = D / 32;
+  for (int64_t t0 = k_lo; t0 < k_hi; t0 += kTileK) {
+    const int n = static_cast<int>(std::min<int64_t>(kTileK, k_hi - t0));
+    const int n32 = (n + 31) / 32 * 32;  // PV takes keys 32 at a time: the padding keys are zero
+    const uint16_t* rows[kTileK];
+    for (int j = 0; j < n; ++j) rows[j] = kc + slot_at(a, row, t0 + j) * a.k_s0;
+    for (int j0 = 0; j0 < n32; j0 += 16)  // K as dim pairs of 16 keys: 16 x 16 word transposes; padding keys are zero
+      for (int p0 = 0; p0 < D2; p0 += 16) {
+        __m512i r[16];
+        for (int j = 0; j < 16; ++j) r[j] = j0 + j < n ? _mm512_loadu_si512(rows[j0 + j] + 2 * p0) : _mm512_setzero_si512();
+        transpose16(r);
+        for (int p = 0; p < 16; ++p) _mm512_storeu_si512(kp + ((j0 / 16) * D2 + p0 + p) * 16, r[p]);
+      }
+    for (int k = 0; k < n32 / 2; ++k)  // V as key pairs of each dim
+      for (int d0 = 0; d0 < D; d0 += 32) {
+        const int64_t j0 = 2 * k, j1 = 2 * k + 1;
+        const __m512i r0 = j0 < n ? _mm512_loadu_si512(vc + slot_at(a, row, t0 + j0) * a.v_s0 + d0) : _mm512_setzero_si512();
+        const __m512i r1 = j1 < n ? _mm512_loadu_si512(vc + slot_at(a, row, t0 + j1) * a.v_s0 + d0) : _mm512_setzero_si512();
+        __m512i lo, hi;
+        bf16::interleave(r0, r1, lo, hi);
+        _mm512_storeu_si512(vp + k * Dp + d0, lo);
+        _mm512_storeu_si512(vp + k * Dp + d0 + 16, hi);
+      }
+    for (int i = 0; i < nq; ++i) {
+      const int64_t p = p_first + i;
+      const int64_t lo = a.window > 0 ? std::max<int64_t>(0, p - a.window + 1) : 0;
+      const int lo_j = static_cast<int>(std::min<int64_t>(std::max<int64_t>(lo - t0, 0), n));
+      const int hi_j = static_cast<int>(std::min<int64_t>(p - t0 + 1, n));
+      for (int g = 0; g < G; ++g) {
+        jlo[i * G + g] = lo_j;
+        jhi[i * G + g] = std::max(lo_j, hi_j);
+      }
+    }
+    for (int rb = 0; rb < M; rb += kRows) {
+      const int rows_b = std::min(kRows, M - rb);
+      int ulo = kTileK, uhi = 0;
+      for (int r = rb; r < rb + rows_b; ++r)
+        if (jlo[r] < jhi[r]) {
+          ulo = std::min(ulo, jlo[r]);
+          uhi = std::max(uhi, jhi[r]);
+        }
+      if (ulo >= uhi) continue;  // no row of this block sees this tile
+      const int c0 = ulo / 32 * 2, c1 = (uhi + 31) / 32 * 2;  // 16-key blocks, in pairs (PV takes 32 keys)
+      amx_tiles_rows(rows_b, 0);
+      const uint16_t* qr = qb + rb * D;
+      float* Sb = S + rb * kTileK;
+      for (int c = c0; c < c1; c += 2) {  // S = Q K^T, 32 keys per pass
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int s = 0; s < steps; ++s) {
+          _tile_loadd(4, qr + 32 * s, 2 * D);
+          _tile_loadd(6, kp + (c * D2 + 16 * s) * 16, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_loadd(7, kp + ((c + 1) * D2 + 16 * s) * 16, 64);
+          _tile_dpbf16ps(1, 4, 7);
+        }
+        _tile_stored(0, Sb + 16 * c, kTileK * 4);
+        _tile_stored(1, Sb + 16 * (c + 1), kTileK * 4);
+      }
+      const __m512 scale = _mm512_set1_ps(a.scale);
+      for (int r = rb; r < rb + rows_b; ++r) {
+        float* sr = S + r * kTileK;
+        for (int j0 = 16 * c0; j0 < 16 * c1; j0 += 16) _mm512_storeu_ps(sr + j0, _mm512_mul_ps(_mm512_loadu_ps(sr + j0), scale));
+        const int lo = jlo[r], hi = jhi[r];
+        if (lo < hi) {
+          const float mnew = std::max(m[r], max_of(sr + lo, hi - lo));
+          const float alpha = std::exp(m[r] - mnew);
+          l[r] = l[r] * alpha + exp_sum(sr + lo, mnew, hi - lo);
+          if (alpha != 1.f) scale_row<0>(acc + r * Dp, alpha, Dp);
+          m[r] = mnew;
+        }
+        uint16_t* pr = pb + r * kTileK;
+        for (int c = c0; c < c1; ++c) {  // P in bf16, zero outside the row's visible keys
+          const int j0 = 16 * c;
+          const __mmask16 vis = bf16::range16(lo - j0, hi - j0);
+          const __m512 pv = _mm512_maskz_loadu_ps(vis, sr + j0);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j0), (__m256i)_mm512_cvtneps_pbh(pv));
+        }
+      }
+      const uint16_t* P = pb + rb * kTileK;
+      float* ar = acc + rb * Dp;
+      for (int d0 = 0; d0 < D; d0 += 32) {  // acc += P V, two blocks of 16 dims per pass
+        _tile_loadd(0, ar + d0, Dp * 4);
+        _tile_loadd(1, ar + d0 + 16, Dp * 4);
+        for (int c = c0; c < c1; c += 2) {
+          _tile_loadd(4, P + 16 * c, kTileK * 2);
+          _tile_loadd(6, vp + (8 * c) * Dp + d0, Dp * 4);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_loadd(7, vp + (8 * c) * Dp + d0 + 16, Dp * 4);
+          _tile_dpbf16ps(1, 4, 7);
+        }
+        _tile_stored(0, ar + d0, Dp * 4);
+        _tile_stored(1, ar + d0 + 16, Dp * 4);
+      }
+    }
+  }
+  c10::BFloat16* out = static_cast<c10::BFloat16*>(a.out);
+  for (int i = 0; i < nq; ++i)
+    for (int g = 0; g < G; ++g) {
+      const int r = i * G + g;
+      from_f32(acc + r * Dp, out + ((q_begin + i0 + i) * a.Hq + h * G + g) * D, D, 1.f / l[r]);
+    }
 }
 
 }  // namespace amx_attn

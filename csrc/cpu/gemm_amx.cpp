@@ -181,6 +181,7 @@ MINISGL_TAMX void run_amx_part(const TilesPlan& p, const uint16_t* x, int64_t xs
   }
 }
 
+MINISGL_TAMX void amx_tiles_rows(int r0, int r1) { configure(r0, r1); }
 MINISGL_TAMX void amx_tiles_16x64() { configure(16, 16); }
 
 // Hands the tile state back (the thread's next ldtilecfg takes it again): a thread holding it makes every
@@ -194,6 +195,7 @@ MINISGL_TAMX void release_amx() {
 #else
 bool amx_available() { return false; }
 void run_amx_part(const TilesPlan&, const uint16_t*, int64_t, int64_t, void*, int64_t, bool, int64_t, int64_t) {}
+void amx_tiles_rows(int, int) {}
 void amx_tiles_16x64() {}
 void release_amx() {}
 #endif
