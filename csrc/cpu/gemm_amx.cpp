@@ -185,10 +185,13 @@ MINISGL_TAMX void amx_tiles_rows(int r0, int r1) { configure(r0, r1); }
 MINISGL_TAMX void amx_tiles_16x64() { configure(16, 16); }
 
 // Hands the tile state back (the thread's next ldtilecfg takes it again): a thread holding it makes every
-// context switch save and restore 8 KB more.
-MINISGL_TAMX void release_amx() {
+// context switch save and restore 8 KB more. Plain code until it knows the thread holds tiles, so that it runs
+// on any CPU.
+MINISGL_TAMX static void tile_release() { _tile_release(); }
+
+void release_amx() {
   if (tile_config < 0) return;
-  _tile_release();
+  tile_release();
   tile_config = -1;
 }
 
