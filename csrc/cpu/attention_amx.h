@@ -209,13 +209,7 @@ MINISGL_TARGET_AMX void extend_task(const Args& a, int64_t q_begin, int64_t row,
   uint32_t* kp = sc.w.data();            // [kTileK / 16][D2][16]
   uint32_t* vp = kp + kTileK * D2;       // [kTileK / 2][Dp]
   int *jlo = sc.jlo.data(), *jhi = sc.jhi.data();
-  const uint16_t* q = static_cast<const uint16_t*>(a.q);
-  for (int i = 0; i < nq; ++i)
-    for (int g = 0; g < G; ++g)
-      std::memcpy(qb + (i * G + g) * D, q + (q_begin + i0 + i) * a.q_s0 + (h * G + g) * a.q_s1, 2 * D);
-  std::fill(acc, acc + M * Dp, 0.f);
-  std::fill(m, m + M, kNegInf);
-  std::fill(l, l + M, 0.f);
+  bf16::start_rows(a, q_begin, i0, nq, h, Dp, qb, acc, m, l);
   const int64_t p_first = L - ext + i0, p_last = L - ext + i1 - 1;
   const int64_t k_lo = a.window > 0 ? std::max<int64_t>(0, p_first - a.window + 1) : 0;
   const int64_t k_hi = p_last + 1;
@@ -244,24 +238,11 @@ MINISGL_TARGET_AMX void extend_task(const Args& a, int64_t q_begin, int64_t row,
         _mm512_storeu_si512(vp + k * Dp + d0, lo);
         _mm512_storeu_si512(vp + k * Dp + d0 + 16, hi);
       }
-    for (int i = 0; i < nq; ++i) {
-      const int64_t p = p_first + i;
-      const int64_t lo = a.window > 0 ? std::max<int64_t>(0, p - a.window + 1) : 0;
-      const int lo_j = static_cast<int>(std::min<int64_t>(std::max<int64_t>(lo - t0, 0), n));
-      const int hi_j = static_cast<int>(std::min<int64_t>(p - t0 + 1, n));
-      for (int g = 0; g < G; ++g) {
-        jlo[i * G + g] = lo_j;
-        jhi[i * G + g] = std::max(lo_j, hi_j);
-      }
-    }
+    bf16::visible_keys(a, p_first, t0, n, nq, jlo, jhi);
     for (int rb = 0; rb < M; rb += kRows) {
       const int rows_b = std::min(kRows, M - rb);
-      int ulo = kTileK, uhi = 0;
-      for (int r = rb; r < rb + rows_b; ++r)
-        if (jlo[r] < jhi[r]) {
-          ulo = std::min(ulo, jlo[r]);
-          uhi = std::max(uhi, jhi[r]);
-        }
+      int ulo, uhi;
+      bf16::union_of(jlo, jhi, rb, rows_b, ulo, uhi);
       if (ulo >= uhi) continue;  // no row of this block sees this tile
       const int c0 = ulo / 32 * 2, c1 = (uhi + 31) / 32 * 2;  // 16-key blocks, in pairs (PV takes 32 keys)
       amx_tiles_rows(rows_b, 0);
@@ -284,21 +265,8 @@ MINISGL_TARGET_AMX void extend_task(const Args& a, int64_t q_begin, int64_t row,
       for (int r = rb; r < rb + rows_b; ++r) {
         float* sr = S + r * kTileK;
         for (int j0 = 16 * c0; j0 < 16 * c1; j0 += 16) _mm512_storeu_ps(sr + j0, _mm512_mul_ps(_mm512_loadu_ps(sr + j0), scale));
-        const int lo = jlo[r], hi = jhi[r];
-        if (lo < hi) {
-          const float mnew = std::max(m[r], max_of(sr + lo, hi - lo));
-          const float alpha = std::exp(m[r] - mnew);
-          l[r] = l[r] * alpha + exp_sum(sr + lo, mnew, hi - lo);
-          if (alpha != 1.f) scale_row<0>(acc + r * Dp, alpha, Dp);
-          m[r] = mnew;
-        }
-        uint16_t* pr = pb + r * kTileK;
-        for (int c = c0; c < c1; ++c) {  // P in bf16, zero outside the row's visible keys
-          const int j0 = 16 * c;
-          const __mmask16 vis = bf16::range16(lo - j0, hi - j0);
-          const __m512 pv = _mm512_maskz_loadu_ps(vis, sr + j0);
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j0), (__m256i)_mm512_cvtneps_pbh(pv));
-        }
+        bf16::softmax_step(sr, jlo[r], jhi[r], m[r], l[r], acc + r * Dp, Dp);
+        bf16::p_row(sr, jlo[r], jhi[r], c0, c1, pb + r * kTileK);
       }
       const uint16_t* P = pb + rb * kTileK;
       float* ar = acc + rb * Dp;
@@ -317,12 +285,7 @@ MINISGL_TARGET_AMX void extend_task(const Args& a, int64_t q_begin, int64_t row,
       }
     }
   }
-  c10::BFloat16* out = static_cast<c10::BFloat16*>(a.out);
-  for (int i = 0; i < nq; ++i)
-    for (int g = 0; g < G; ++g) {
-      const int r = i * G + g;
-      from_f32(acc + r * Dp, out + ((q_begin + i0 + i) * a.Hq + h * G + g) * D, D, 1.f / l[r]);
-    }
+  bf16::finish_rows(a, acc, l, Dp, q_begin, i0, nq, h);
 }
 
 }  // namespace amx_attn

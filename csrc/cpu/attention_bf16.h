@@ -93,6 +93,79 @@ MINISGL_TARGET_BF16 inline void pv_block(const uint16_t* P, const uint32_t* vp, 
     for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + r * Dp + d0 + 16 * c, o[r][c]);
 }
 
+// ---------------------------------------------------------------- what both extend bodies (this one, attention_amx.h) share
+// The task's G heads x nq queries as bf16 rows of qb [M][D], and their softmax state cleared.
+MINISGL_TARGET_BF16 inline void start_rows(const Args& a, int64_t q_begin, int64_t i0, int nq, int64_t h, int Dp,
+                                           uint16_t* qb, float* acc, float* m, float* l) {
+  const int D = static_cast<int>(a.D), G = static_cast<int>(a.G), M = nq * G;
+  const uint16_t* q = static_cast<const uint16_t*>(a.q);
+  for (int i = 0; i < nq; ++i)
+    for (int g = 0; g < G; ++g)
+      std::memcpy(qb + (i * G + g) * D, q + (q_begin + i0 + i) * a.q_s0 + (h * G + g) * a.q_s1, 2 * D);
+  std::fill(acc, acc + M * Dp, 0.f);
+  std::fill(m, m + M, kNegInf);
+  std::fill(l, l + M, 0.f);
+}
+
+// The keys [jlo[r], jhi[r]) of the tile of n keys from t0 that row r = (query i, head g) sees; query i is at
+// position p_first + i.
+MINISGL_TARGET_BF16 inline void visible_keys(const Args& a, int64_t p_first, int64_t t0, int n, int nq, int* jlo,
+                                             int* jhi) {
+  const int G = static_cast<int>(a.G);
+  for (int i = 0; i < nq; ++i) {
+    const int64_t p = p_first + i;
+    const int64_t lo = a.window > 0 ? std::max<int64_t>(0, p - a.window + 1) : 0;
+    const int lo_j = static_cast<int>(std::min<int64_t>(std::max<int64_t>(lo - t0, 0), n));
+    const int hi_j = static_cast<int>(std::min<int64_t>(p - t0 + 1, n));
+    for (int g = 0; g < G; ++g) {
+      jlo[i * G + g] = lo_j;
+      jhi[i * G + g] = std::max(lo_j, hi_j);
+    }
+  }
+}
+
+// The keys any of rows [rb, rb + rows) sees: [ulo, uhi), empty when ulo >= uhi.
+inline void union_of(const int* jlo, const int* jhi, int rb, int rows, int& ulo, int& uhi) {
+  ulo = kTileK;
+  uhi = 0;
+  for (int r = rb; r < rb + rows; ++r)
+    if (jlo[r] < jhi[r]) {
+      ulo = std::min(ulo, jlo[r]);
+      uhi = std::max(uhi, jhi[r]);
+    }
+}
+
+// Online softmax over row r's visible scores sr[lo, hi) (scaled): new max m and sum l, acc rescaled, sr -> exp.
+MINISGL_TARGET_BF16 inline void softmax_step(float* sr, int lo, int hi, float& m, float& l, float* acc, int Dp) {
+  if (lo >= hi) return;
+  const float mnew = std::max(m, max_of(sr + lo, hi - lo));
+  const float alpha = std::exp(m - mnew);
+  l = l * alpha + exp_sum(sr + lo, mnew, hi - lo);
+  if (alpha != 1.f) scale_row<0>(acc, alpha, Dp);
+  m = mnew;
+}
+
+// Row r's P in bf16 over the 16-key blocks [c0, c1), zero outside its visible keys [lo, hi).
+MINISGL_TARGET_BF16 inline void p_row(const float* sr, int lo, int hi, int c0, int c1, uint16_t* pr) {
+  for (int c = c0; c < c1; ++c) {
+    const int j0 = 16 * c;
+    const __m512 pv = _mm512_maskz_loadu_ps(range16(lo - j0, hi - j0), sr + j0);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j0), (__m256i)_mm512_cvtneps_pbh(pv));
+  }
+}
+
+// The task's output rows: acc / l, in bf16.
+MINISGL_TARGET_BF16 inline void finish_rows(const Args& a, const float* acc, const float* l, int Dp, int64_t q_begin,
+                                            int64_t i0, int nq, int64_t h) {
+  const int D = static_cast<int>(a.D), G = static_cast<int>(a.G);
+  c10::BFloat16* out = static_cast<c10::BFloat16*>(a.out);
+  for (int i = 0; i < nq; ++i)
+    for (int g = 0; g < G; ++g) {
+      const int r = i * G + g;
+      from_f32(acc + r * Dp, out + ((q_begin + i0 + i) * a.Hq + h * G + g) * D, D, 1.f / l[r]);
+    }
+}
+
 // One (request, kv head, query block) task, as extend_task in attention.cpp (same visibility rule, same tiles).
 MINISGL_TARGET_BF16 void extend_task(const Args& a, int64_t q_begin, int64_t row, int64_t L, int64_t ext, int64_t h,
                                      int64_t i0, int64_t i1, Scratch& sc) {
@@ -109,13 +182,7 @@ MINISGL_TARGET_BF16 void extend_task(const Args& a, int64_t q_begin, int64_t row
   uint32_t* kp = sc.w.data();            // [kTileK / 16][D2][16]
   uint32_t* vp = kp + kTileK * D2;       // [kTileK / 2][Dp]
   int *jlo = sc.jlo.data(), *jhi = sc.jhi.data();
-  const uint16_t* q = static_cast<const uint16_t*>(a.q);
-  for (int i = 0; i < nq; ++i)
-    for (int g = 0; g < G; ++g)
-      std::memcpy(qb + (i * G + g) * D, q + (q_begin + i0 + i) * a.q_s0 + (h * G + g) * a.q_s1, 2 * D);
-  std::fill(acc, acc + M * Dp, 0.f);
-  std::fill(m, m + M, kNegInf);
-  std::fill(l, l + M, 0.f);
+  start_rows(a, q_begin, i0, nq, h, Dp, qb, acc, m, l);
   const int64_t p_first = L - ext + i0, p_last = L - ext + i1 - 1;
   const int64_t k_lo = a.window > 0 ? std::max<int64_t>(0, p_first - a.window + 1) : 0;
   const int64_t k_hi = p_last + 1;
@@ -148,24 +215,11 @@ MINISGL_TARGET_BF16 void extend_task(const Args& a, int64_t q_begin, int64_t row
       }
     for (int k = 0; k < n16 / 2 && D % 64 != 0; ++k)  // the dims [ceil32(D), Dp) weigh nothing
       for (int d = (D + 31) / 32 * 32; d < Dp; ++d) vp[k * Dp + d] = 0;
-    for (int i = 0; i < nq; ++i) {
-      const int64_t p = p_first + i;
-      const int64_t lo = a.window > 0 ? std::max<int64_t>(0, p - a.window + 1) : 0;
-      const int lo_j = static_cast<int>(std::min<int64_t>(std::max<int64_t>(lo - t0, 0), n));
-      const int hi_j = static_cast<int>(std::min<int64_t>(p - t0 + 1, n));
-      for (int g = 0; g < G; ++g) {
-        jlo[i * G + g] = lo_j;
-        jhi[i * G + g] = std::max(lo_j, hi_j);
-      }
-    }
+    visible_keys(a, p_first, t0, n, nq, jlo, jhi);
     for (int rb = 0; rb < M; rb += R) {
       const int rows_b = std::min(R, M - rb);
-      int ulo = kTileK, uhi = 0;
-      for (int r = rb; r < rb + rows_b; ++r)
-        if (jlo[r] < jhi[r]) {
-          ulo = std::min(ulo, jlo[r]);
-          uhi = std::max(uhi, jhi[r]);
-        }
+      int ulo, uhi;
+      union_of(jlo, jhi, rb, rows_b, ulo, uhi);
       if (ulo >= uhi) continue;  // no row of this block sees this tile
       const int c0 = ulo / 16, c1 = (uhi + 15) / 16;
       const uint16_t* qr = qb + rb * D;
@@ -177,22 +231,8 @@ MINISGL_TARGET_BF16 void extend_task(const Args& a, int64_t q_begin, int64_t row
         default: qk_rows<4>(qr, D, kp, c0, c1, a.scale, Sb); break;
       }
       for (int r = rb; r < rb + rows_b; ++r) {
-        float* sr = S + r * kTileK;
-        const int lo = jlo[r], hi = jhi[r];
-        if (lo < hi) {
-          const float mnew = std::max(m[r], max_of(sr + lo, hi - lo));
-          const float alpha = std::exp(m[r] - mnew);
-          l[r] = l[r] * alpha + exp_sum(sr + lo, mnew, hi - lo);
-          if (alpha != 1.f) scale_row<0>(acc + r * Dp, alpha, Dp);
-          m[r] = mnew;
-        }
-        uint16_t* pr = pb + r * kTileK;
-        for (int c = c0; c < c1; ++c) {  // P in bf16, zero outside the row's visible keys
-          const int j0 = 16 * c;
-          const __mmask16 vis = range16(lo - j0, hi - j0);
-          const __m512 pv = _mm512_maskz_loadu_ps(vis, sr + j0);
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j0), (__m256i)_mm512_cvtneps_pbh(pv));
-        }
+        softmax_step(S + r * kTileK, jlo[r], jhi[r], m[r], l[r], acc + r * Dp, Dp);
+        p_row(S + r * kTileK, jlo[r], jhi[r], c0, c1, pb + r * kTileK);
       }
       for (int d0 = 0; d0 < Dp; d0 += 64) {
         const uint16_t* P = pb + rb * kTileK;
@@ -206,12 +246,7 @@ MINISGL_TARGET_BF16 void extend_task(const Args& a, int64_t q_begin, int64_t row
       }
     }
   }
-  c10::BFloat16* out = static_cast<c10::BFloat16*>(a.out);
-  for (int i = 0; i < nq; ++i)
-    for (int g = 0; g < G; ++g) {
-      const int r = i * G + g;
-      from_f32(acc + r * Dp, out + ((q_begin + i0 + i) * a.Hq + h * G + g) * D, D, 1.f / l[r]);
-    }
+  finish_rows(a, acc, l, Dp, q_begin, i0, nq, h);
 }
 
 }  // namespace bf16
