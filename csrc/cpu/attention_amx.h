@@ -228,11 +228,12 @@ MINISGL_TARGET_AMX void extend_task(const Args& a, int64_t q_begin, int64_t row,
         transpose16(r);
         for (int p = 0; p < 16; ++p) _mm512_storeu_si512(kp + ((j0 / 16) * D2 + p0 + p) * 16, r[p]);
       }
+    for (int j = 0; j < n; ++j) rows[j] = vc + slot_at(a, row, t0 + j) * a.v_s0;  // each V row looked up once
     for (int k = 0; k < n32 / 2; ++k)  // V as key pairs of each dim
       for (int d0 = 0; d0 < D; d0 += 32) {
-        const int64_t j0 = 2 * k, j1 = 2 * k + 1;
-        const __m512i r0 = j0 < n ? _mm512_loadu_si512(vc + slot_at(a, row, t0 + j0) * a.v_s0 + d0) : _mm512_setzero_si512();
-        const __m512i r1 = j1 < n ? _mm512_loadu_si512(vc + slot_at(a, row, t0 + j1) * a.v_s0 + d0) : _mm512_setzero_si512();
+        const int j0 = 2 * k, j1 = 2 * k + 1;
+        const __m512i r0 = j0 < n ? _mm512_loadu_si512(rows[j0] + d0) : _mm512_setzero_si512();
+        const __m512i r1 = j1 < n ? _mm512_loadu_si512(rows[j1] + d0) : _mm512_setzero_si512();
         __m512i lo, hi;
         bf16::interleave(r0, r1, lo, hi);
         _mm512_storeu_si512(vp + k * Dp + d0, lo);
