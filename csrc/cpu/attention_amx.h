@@ -262,13 +262,9 @@ MINISGL_TARGET_AMX void extend_task(const Args& a, int64_t q_begin, int64_t row,
         _tile_stored(0, Sb + 16 * c, kTileK * 4);
         _tile_stored(1, Sb + 16 * (c + 1), kTileK * 4);
       }
-      const __m512 scale = _mm512_set1_ps(a.scale);
-      for (int r = rb; r < rb + rows_b; ++r) {
-        float* sr = S + r * kTileK;
-        for (int j0 = 16 * c0; j0 < 16 * c1; j0 += 16) _mm512_storeu_ps(sr + j0, _mm512_mul_ps(_mm512_loadu_ps(sr + j0), scale));
-        bf16::softmax_step(sr, jlo[r], jhi[r], m[r], l[r], acc + r * Dp, Dp);
-        bf16::p_row(sr, jlo[r], jhi[r], c0, c1, pb + r * kTileK);
-      }
+      for (int r = rb; r < rb + rows_b; ++r)
+        bf16::softmax_p_row(S + r * kTileK, jlo[r], jhi[r], c0, c1, a.scale, m[r], l[r], acc + r * Dp, Dp,
+                            pb + r * kTileK);
       const uint16_t* P = pb + rb * kTileK;
       float* ar = acc + rb * Dp;
       for (int d0 = 0; d0 < D; d0 += 32) {  // acc += P V, two blocks of 16 dims per pass

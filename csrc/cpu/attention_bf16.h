@@ -135,23 +135,55 @@ inline void union_of(const int* jlo, const int* jhi, int rb, int rows, int& ulo,
     }
 }
 
-// Online softmax over row r's visible scores sr[lo, hi) (scaled): new max m and sum l, acc rescaled, sr -> exp.
-MINISGL_TARGET_BF16 inline void softmax_step(float* sr, int lo, int hi, float& m, float& l, float* acc, int Dp) {
-  if (lo >= hi) return;
-  const float mnew = std::max(m, max_of(sr + lo, hi - lo));
-  const float alpha = std::exp(m - mnew);
-  l = l * alpha + exp_sum(sr + lo, mnew, hi - lo);
-  if (alpha != 1.f) scale_row<0>(acc, alpha, Dp);
-  m = mnew;
+// exp(x) for 16 lanes of x <= 0, as vec.h's exp_neg (the same polynomial), in intrinsics: the softmax below keeps
+// its scores in registers, where a loop for the compiler to vectorise cannot reach them.
+MINISGL_TARGET_BF16 inline __m512 exp_neg16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 r = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, r), _mm512_set1_ps(0.693147180559945309f));
+  __m512 p = _mm512_set1_ps(1.f / 5040.f);
+  for (const float c : {1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f})
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, r);  // p * 2^r
 }
 
-// Row r's P in bf16 over the 16-key blocks [c0, c1), zero outside its visible keys [lo, hi).
-MINISGL_TARGET_BF16 inline void p_row(const float* sr, int lo, int hi, int c0, int c1, uint16_t* pr) {
+// Row r's online-softmax step over the 16-key blocks [c0, c1) (at most kTileK / 16) of its raw scores sr, of which
+// it sees [lo, hi): the scores times `scale`, the new max m and sum l, acc rescaled, and P = exp(s - m) in bf16
+// into pr (zero outside [lo, hi); all zero when the row sees none of them). One pass, the scores in registers:
+// as separate loops (max, exp and sum, rescale, round) with a libm exp per row it was most of a prefill's
+// attention on AMX.
+MINISGL_TARGET_BF16 inline void softmax_p_row(const float* sr, int lo, int hi, int c0, int c1, float scale, float& m,
+                                              float& l, float* acc, int Dp, uint16_t* pr) {
+  constexpr int kBlocks = kTileK / 16;
+  __m512 v[kBlocks];
+  __mmask16 mk[kBlocks];
+  __m512 mx = _mm512_set1_ps(kNegInf);
+  const __m512 sc = _mm512_set1_ps(scale);
   for (int c = c0; c < c1; ++c) {
-    const int j0 = 16 * c;
-    const __m512 pv = _mm512_maskz_loadu_ps(range16(lo - j0, hi - j0), sr + j0);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j0), (__m256i)_mm512_cvtneps_pbh(pv));
+    mk[c - c0] = range16(lo - 16 * c, hi - 16 * c);
+    v[c - c0] = _mm512_mul_ps(_mm512_maskz_loadu_ps(mk[c - c0], sr + 16 * c), sc);
+    mx = _mm512_mask_max_ps(mx, mk[c - c0], mx, v[c - c0]);
   }
+  if (lo >= hi) {
+    for (int c = c0; c < c1; ++c) _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + 16 * c), _mm256_setzero_si256());
+    return;
+  }
+  const float mnew = std::max(m, _mm512_reduce_max_ps(mx));
+  const __m512 mv = _mm512_set1_ps(mnew);
+  __m512 sum = _mm512_setzero_ps();
+  for (int c = c0; c < c1; ++c) {
+    const __m512 p = _mm512_maskz_mov_ps(mk[c - c0], exp_neg16(_mm512_sub_ps(v[c - c0], mv)));
+    sum = _mm512_add_ps(sum, p);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + 16 * c), (__m256i)_mm512_cvtneps_pbh(p));
+  }
+  const float alpha = m == kNegInf ? 0.f : _mm512_cvtss_f32(exp_neg16(_mm512_set1_ps(m - mnew)));
+  l = l * alpha + _mm512_reduce_add_ps(sum);
+  if (alpha != 1.f) {
+    const __m512 av = _mm512_set1_ps(alpha);
+    for (int d = 0; d < Dp; d += 16) _mm512_storeu_ps(acc + d, _mm512_mul_ps(_mm512_loadu_ps(acc + d), av));
+  }
+  m = mnew;
 }
 
 // The task's output rows: acc / l, in bf16.
@@ -231,8 +263,7 @@ MINISGL_TARGET_BF16 void extend_task(const Args& a, int64_t q_begin, int64_t row
         default: qk_rows<4>(qr, D, kp, c0, c1, a.scale, Sb); break;
       }
       for (int r = rb; r < rb + rows_b; ++r) {
-        softmax_step(S + r * kTileK, jlo[r], jhi[r], m[r], l[r], acc + r * Dp, Dp);
-        p_row(S + r * kTileK, jlo[r], jhi[r], c0, c1, pb + r * kTileK);
+        softmax_p_row(S + r * kTileK, jlo[r], jhi[r], c0, c1, 1.f, m[r], l[r], acc + r * Dp, Dp, pb + r * kTileK);
       }
       for (int d0 = 0; d0 < Dp; d0 += 64) {
         const uint16_t* P = pb + rb * kTileK;

@@ -305,6 +305,49 @@ at::Tensor silu_mul_cpu(const at::Tensor& gate_up) {
   return out;
 }
 
+namespace {
+
+// rope for the heads of one bf16 row, vectorised as silu's row is: each pair (j, j + D/2) rotates together, so the
+// loop over j < D/2 has no shuffles; rounding as the generic loop below (a = T(x * cos), x' = T(a + rolled * sin)).
+// The scalar loop with c10 conversions took ~150 us for 265 rows of 12 heads (~6% of a 265-token prefill).
+inline void rope_bf16_heads(uint16_t* __restrict row, const uint16_t* __restrict c, const uint16_t* __restrict s,
+                            int64_t heads, int64_t D) {
+  const int64_t half = D / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    uint16_t* __restrict x = row + h * D;
+#pragma omp simd
+    for (int64_t j = 0; j < half; ++j) {
+      const float x1 = bf16_float(x[j]), x2 = bf16_float(x[j + half]);
+      const float a1 = bf16_float(bf16_round(x1 * bf16_float(c[j])));
+      const float a2 = bf16_float(bf16_round(x2 * bf16_float(c[j + half])));
+      x[j] = bf16_round(a1 + x2 * bf16_float(s[j]));
+      x[j + half] = bf16_round(a2 + x1 * bf16_float(s[j + half]));
+    }
+  }
+}
+
+using RopeRowFn = void (*)(uint16_t*, const uint16_t*, const uint16_t*, int64_t, int64_t);
+#if defined(__GNUC__) && defined(__x86_64__)
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"), flatten)) void rope_row_avx512(
+    uint16_t* x, const uint16_t* c, const uint16_t* s, int64_t h, int64_t D) { rope_bf16_heads(x, c, s, h, D); }
+__attribute__((target("avx2,fma"), flatten)) void rope_row_avx2(uint16_t* x, const uint16_t* c, const uint16_t* s,
+                                                               int64_t h, int64_t D) { rope_bf16_heads(x, c, s, h, D); }
+#endif
+void rope_row_base(uint16_t* x, const uint16_t* c, const uint16_t* s, int64_t h, int64_t D) {
+  rope_bf16_heads(x, c, s, h, D);
+}
+
+RopeRowFn pick_rope_row() {
+#if defined(__GNUC__) && defined(__x86_64__)
+  static const RopeRowFn f = for_isa<RopeRowFn>(rope_row_avx512, rope_row_avx2, rope_row_base);
+  return f;
+#else
+  return rope_row_base;
+#endif
+}
+
+}  // namespace
+
 void rope_store_kv_cpu(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
                        at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& out_loc, int64_t num_q_heads,
                        int64_t num_kv_heads) {
@@ -345,6 +388,25 @@ void rope_store_kv_cpu(at::Tensor& qkv, const at::Tensor& positions, const at::T
   }
   const int64_t Hq = num_q_heads, Hkv = num_kv_heads, half = D / 2, qs = qkv.stride(0);
   const int64_t ks0 = k_cache.stride(0), ks1 = k_cache.stride(1), vs0 = v_cache.stride(0), vs1 = v_cache.stride(1);
+  if (qkv.scalar_type() == at::kBFloat16) {
+    uint16_t* base = reinterpret_cast<uint16_t*>(qkv.data_ptr());
+    const uint16_t* cp = reinterpret_cast<const uint16_t*>(cos.data_ptr());
+    const uint16_t* sp = reinterpret_cast<const uint16_t*>(sin.data_ptr());
+    uint16_t* kc = reinterpret_cast<uint16_t*>(k_cache.data_ptr());
+    uint16_t* vc = reinterpret_cast<uint16_t*>(v_cache.data_ptr());
+    const RopeRowFn rope = pick_rope_row();
+    for_rows(N, [&](int64_t r0, int64_t r1) {
+      for (int64_t i = r0; i < r1; ++i) {
+        uint16_t* row = base + i * qs;
+        rope(row, cp + pp[i] * D, sp + pp[i] * D, Hq + Hkv, D);
+        for (int64_t h = 0; h < Hkv; ++h) {
+          std::memcpy(kc + lp[i] * ks0 + h * ks1, row + (Hq + h) * D, 2 * D);
+          std::memcpy(vc + lp[i] * vs0 + h * vs1, row + (Hq + Hkv + h) * D, 2 * D);
+        }
+      }
+    });
+    return;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_store_kv_", [&] {
     scalar_t* base = qkv.data_ptr<scalar_t>();
     const scalar_t* cp = cos.data_ptr<scalar_t>();
