@@ -135,19 +135,6 @@ inline void union_of(const int* jlo, const int* jhi, int rb, int rows, int& ulo,
     }
 }
 
-// exp(x) for 16 lanes of x <= 0, as vec.h's exp_neg (the same polynomial), in intrinsics: the softmax below keeps
-// its scores in registers, where a loop for the compiler to vectorise cannot reach them.
-MINISGL_TARGET_BF16 inline __m512 exp_neg16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 r = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, r), _mm512_set1_ps(0.693147180559945309f));
-  __m512 p = _mm512_set1_ps(1.f / 5040.f);
-  for (const float c : {1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f})
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
-  return _mm512_scalef_ps(p, r);  // p * 2^r
-}
-
 // Row r's online-softmax step over the 16-key blocks [c0, c1) (at most kTileK / 16) of its raw scores sr, of which
 // it sees [lo, hi): the scores times `scale`, the new max m and sum l, acc rescaled, and P = exp(s - m) in bf16
 // into pr (zero outside [lo, hi); all zero when the row sees none of them). One pass, the scores in registers:

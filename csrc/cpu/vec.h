@@ -13,6 +13,9 @@
 #include <limits>
 #include <type_traits>
 #include <utility>
+#if defined(__GNUC__) && defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 namespace minisgl::cpu {
 
@@ -97,6 +100,22 @@ inline float exp_neg(float x) {
   const int32_t k = static_cast<int32_t>(r);
   return p * __builtin_bit_cast(float, uint32_t(k + 127) << 23);
 }
+
+#if defined(__GNUC__) && defined(__x86_64__)
+// exp_neg for 16 lanes (the same polynomial), in intrinsics, for kernels that keep their values in registers, where a
+// loop for the compiler to vectorise cannot reach them (the bf16 extend bodies' softmax, attention_bf16.h).
+__attribute__((target("avx512f"))) inline __m512 exp_neg16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 r = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, r), _mm512_set1_ps(0.693147180559945309f));
+  __m512 p = _mm512_set1_ps(1.f / 5040.f);
+  for (const float c : {1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f})
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, r);  // p * 2^r
+}
+
+#endif
 
 // p[j] = exp(s[j] - m) for j < n; returns sum(p).
 inline float exp_sum(float* __restrict s, float m, int n) {
