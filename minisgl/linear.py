@@ -87,7 +87,7 @@ def amx_available() -> bool:
 # %% ../nbs/04c_linear.ipynb #98ce09e2
 KERNELS = ('gemv', 'tiles', 'amx', 'onednn', 'torch')
 LAYOUT = {'gemv': 'plain', 'tiles': 'tiles', 'amx': 'tiles', 'onednn': 'onednn', 'torch': 'plain'}
-ROW_BUCKETS = (1, 2, 3, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)   # rows are looked up in the next bucket up
+ROW_BUCKETS = (1, 2, 3, 4, 8, 16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)   # rows are looked up in the next bucket up
 GEMV_PLAN_MAX_ROWS = 8   # the GEMV's register block: past it every 8 rows stream W again
 
 
@@ -127,7 +127,7 @@ def run_linear(kernel: str, x: Tensor, w: Tensor, out_features: int, bias: Tenso
     raise ValueError(f'kernel must be one of {KERNELS}, got {kernel!r}')
 
 # %% ../nbs/04c_linear.ipynb #84e7cdd2
-PLAN_FORMAT = 3   # bumped when the plan file's layout or the way it is measured changes
+PLAN_FORMAT = 4   # bumped when the plan file's layout or the way it is measured changes
 
 def _cpu_model_and_flags() -> tuple[str, list[str]]:
     model, flags = platform.processor() or platform.machine(), []
