@@ -46,6 +46,30 @@ MINISGL_TARGET_AMX inline void prefetch_rows(const Args& a, int64_t row, int64_t
   }
 }
 
+// r[i] word j -> r[j] word i: a 16 x 16 transpose of 32-bit words, in four rounds of shuffles.
+MINISGL_TARGET_AMX inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 16; i += 8)
+    for (int j = 0; j < 4; ++j) {
+      t[i + j] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0x88);
+      t[i + j + 4] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0xdd);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+  }
+}
+
 constexpr int64_t kAhead = 64;  // keys prefetched ahead of the one being read
 
 MINISGL_TARGET_AMX void decode_task(const Args& a, int64_t b, int64_t row, int64_t h, int64_t k0, int64_t k1,
@@ -60,8 +84,8 @@ MINISGL_TARGET_AMX void decode_task(const Args& a, int64_t b, int64_t row, int64
   alignas(64) static thread_local uint32_t vt[4][16][16];  // V per block of 16 dims: [key pair][dim]
   alignas(64) static thread_local uint16_t pbuf[16][32];   // P: [head][key]
   alignas(64) static thread_local float ob[4][16][16];     // O per block of 16 dims: [head][dim]
-  static thread_local std::vector<float> st;                // S^T: [key][head]
-  if (static_cast<int64_t>(st.size()) < n32 * 16) st.resize(n32 * 16);
+  static thread_local std::vector<float> sh;                // S: [head][key], transposed from the tiles' S^T
+  if (static_cast<int64_t>(sh.size()) < G * n32) sh.resize(G * n32);
   std::memset(qt, 0, sizeof qt);
   for (int g = 0; g < G; ++g) {
     uint32_t qr[kD / 2];
@@ -76,10 +100,9 @@ MINISGL_TARGET_AMX void decode_task(const Args& a, int64_t b, int64_t row, int64
   // Pass 1: S^T = K Q^T, 16 keys per tile.
   __m512 mx = _mm512_set1_ps(kNegInf);
   for (int64_t t0 = 0; t0 < n32; t0 += 16) {
-    float* srow = st.data() + t0 * 16;
     const int cnt = static_cast<int>(std::min<int64_t>(16, n - t0));
     if (cnt <= 0) {  // the second half of the last 32: no keys
-      for (int j = 0; j < 16; ++j) _mm512_storeu_ps(srow + 16 * j, _mm512_set1_ps(kNegInf));
+      for (int g = 0; g < G; ++g) _mm512_storeu_ps(sh.data() + g * n32 + t0, _mm512_set1_ps(kNegInf));
       continue;
     }
     const int64_t s0 = slot_at(a, row, k0 + t0);
@@ -103,27 +126,37 @@ MINISGL_TARGET_AMX void decode_task(const Args& a, int64_t b, int64_t row, int64
     _tile_loadd(3, base + 32, stride);
     _tile_dpbf16ps(0, 2, 4);
     _tile_dpbf16ps(0, 3, 5);
-    _tile_stored(0, srow, 64);
-    for (int j = 0; j < cnt; ++j) mx = _mm512_max_ps(mx, _mm512_loadu_ps(srow + 16 * j));
-    for (int j = cnt; j < 16; ++j) _mm512_storeu_ps(srow + 16 * j, _mm512_set1_ps(kNegInf));  // no weight
+    alignas(64) float st[16][16];  // S^T of these keys: [key][head]
+    _tile_stored(0, st, 64);
+    __m512i r[16];
+    for (int j = 0; j < 16; ++j) {
+      const __m512 v = j < cnt ? _mm512_load_ps(st[j]) : _mm512_set1_ps(kNegInf);  // no key: no weight
+      mx = _mm512_max_ps(mx, v);
+      r[j] = _mm512_castps_si512(v);
+    }
+    transpose16(r);  // each head's scores as one vector, so that pass 2 reads them whole, not one by one
+    for (int g = 0; g < G; ++g) _mm512_storeu_si512(sh.data() + g * n32 + t0, r[g]);
   }
   alignas(64) float mh[16];
   _mm512_store_ps(mh, _mm512_mul_ps(mx, _mm512_set1_ps(a.scale)));  // the scaled maximum per head
 
   // Pass 2: P = exp(scale S - max), O += P V, 32 keys per step.
-  float lsum[16] = {};
+  __m512 lsum[16];
+  for (int g = 0; g < G; ++g) lsum[g] = _mm512_setzero_ps();
   std::memset(pbuf, 0, sizeof pbuf);
+  const __m512 scale = _mm512_set1_ps(a.scale);
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
   for (int64_t t0 = 0; t0 < n32; t0 += 32) {
     for (int g = 0; g < G; ++g) {
-      alignas(64) float e[32];
-      for (int j = 0; j < 32; ++j) e[j] = st[(t0 + j) * 16 + g] * a.scale;
-      lsum[g] += exp_sum(e, mh[g], 32);
-      const __m512bh p = _mm512_cvtne2ps_pbh(_mm512_load_ps(e + 16), _mm512_load_ps(e));
-      _mm512_store_si512(pbuf[g], (__m512i)p);
+      const float* sg = sh.data() + g * n32 + t0;
+      const __m512 m = _mm512_set1_ps(mh[g]);
+      const __m512 e0 = exp_neg16(_mm512_fmsub_ps(_mm512_loadu_ps(sg), scale, m));
+      const __m512 e1 = exp_neg16(_mm512_fmsub_ps(_mm512_loadu_ps(sg + 16), scale, m));
+      lsum[g] = _mm512_add_ps(lsum[g], _mm512_add_ps(e0, e1));
+      _mm512_store_si512(pbuf[g], (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
     }
     for (int tp = 0; tp < 16; ++tp) {
       const int64_t k = t0 + 2 * tp;
@@ -159,32 +192,8 @@ MINISGL_TARGET_AMX void decode_task(const Args& a, int64_t b, int64_t row, int64
   float* acc = part + 2 * G;
   for (int g = 0; g < G; ++g) {
     m[g] = mh[g];
-    l[g] = lsum[g];
+    l[g] = _mm512_reduce_add_ps(lsum[g]);
     for (int d = 0; d < 4; ++d) std::memcpy(acc + g * kD + 16 * d, ob[d][g], 16 * sizeof(float));
-  }
-}
-
-// r[i] word j -> r[j] word i: a 16 x 16 transpose of 32-bit words, in four rounds of shuffles.
-MINISGL_TARGET_AMX inline void transpose16(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int i = 0; i < 16; i += 8)
-    for (int j = 0; j < 4; ++j) {
-      t[i + j] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0x88);
-      t[i + j + 4] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0xdd);
-    }
-  for (int j = 0; j < 8; ++j) {
-    r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
-    r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
   }
 }
 
