@@ -113,6 +113,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "in place (CPU): residual = x + residual; x = rms_norm(residual, weight, eps)", py::arg("x"),
         py::arg("residual"), py::arg("weight"), py::arg("eps"));
   m.def("silu_mul", &minisgl::silu_mul_cpu, "silu(gate) * up for gate_up = [gate | up] (CPU)", py::arg("gate_up"));
+  m.def("argmax_rows", &minisgl::argmax_rows_cpu,
+        "logits.max(-1).indices for fp32 [rows, n] logits: the first maximum, or the first NaN (CPU)", py::arg("logits"));
   m.def("silu_isa", &minisgl::silu_isa, "the vector width of the bf16 SiLU row on this machine: avx512 | avx2 | baseline");
   m.def("rope_store_kv_", &minisgl::rope_store_kv_,
         "rotate the q and k heads of qkv in place (neox rotary, cos/sin tables by position), then store k and v "

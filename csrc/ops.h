@@ -43,6 +43,7 @@ bool linear_amx_available();  // whether linear_packed(..., amx=true) runs here
 at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps);
 void fused_add_rms_norm_cpu(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps);
 at::Tensor silu_mul_cpu(const at::Tensor& gate_up);
+at::Tensor argmax_rows_cpu(const at::Tensor& logits);  // logits.max(-1).indices for fp32 [rows, n]
 std::string silu_isa();  // the bf16 SiLU row the fused kernels picked: avx512 | avx2 | baseline
 void silu_mul_out_cpu(const at::Tensor& gate_up, at::Tensor& out);  // into out [rows, features / 2]
 void rope_store_kv_cpu(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,

@@ -20,7 +20,7 @@ from .linear import (KERNELS, ROW_BUCKETS, KernelPlan, PackedLinear, can_pack_li
                             pack_linears, to_huge_pages)
 from .models import CausalLM, ForwardContext, ModelConfig
 from .scheduler import MIN_PROMPT_CHUNK, ModelRunner, SchedulerConfig
-from .sampling import SamplingBatch, sample
+from .sampling import SamplingBatch, greedy_tokens, sample
 from .weights import (eos_token_ids, load_hf_config, load_model, load_tokenizer, model_problem, resolve_model,
                              sampling_defaults)
 
@@ -388,7 +388,7 @@ def forward_batch(self: Engine, batch: Batch) -> ForwardOutput:
     if constrained: logits = _mask_logits(logits, constrained)
     params = [r.sampling_params for r in batch.reqs]
     if all(_plain_greedy(p) for p in params):
-        out = ForwardOutput(logits.max(-1).indices.int())   # argmax's first-index rule, ~2.5x faster on the CPU
+        out = ForwardOutput(greedy_tokens(logits).int())
     else:
         sb = SamplingBatch.from_params(params, self.vocab_size, self.device)
         seqs = prompt_lens = None

@@ -14,7 +14,7 @@ from .core import SamplingParams
 
 # %% auto #0
 __all__ = ['mix32', 'row_keys', 'unit_interval', 'hash_uniform', 'SamplingBatch', 'token_counts', 'apply_penalties',
-           'SampleOutput', 'sample']
+           'SampleOutput', 'greedy_tokens', 'sample']
 
 # %% ../nbs/07_sampling.ipynb #c5d17e73
 _M32 = 0xFFFFFFFF
@@ -158,6 +158,15 @@ def _truncated_race(probs: Tensor, sb_rows: dict, keys: Tensor, flags: tuple[boo
     u = hash_uniform(keys, ids)
     return ids.gather(1, (vals / -u.log()).argmax(-1, keepdim=True)).squeeze(1)
 
+# %% ../nbs/07_sampling.ipynb #7e555d10
+def greedy_tokens(logits: Tensor) -> Tensor:
+    "`logits.max(-1).indices` of fp32 [B, V] logits (int64 [B]): the C++ loop on the CPU where it is built."
+    if logits.device.type == 'cpu' and logits.dtype == torch.float32 and logits.dim() == 2 and logits.shape[1]:
+        from minisgl.kernels import native
+        ext = native()
+        if ext is not None and hasattr(ext, 'argmax_rows'): return ext.argmax_rows(logits)
+    return logits.max(-1).indices
+
 # %% ../nbs/07_sampling.ipynb #81ba56ab
 def sample(logits: Tensor, sb: SamplingBatch, counters: Tensor, seqs: list[Tensor] | None = None,
            prompt_lens: list[int] | None = None) -> SampleOutput:
@@ -171,7 +180,7 @@ def sample(logits: Tensor, sb: SamplingBatch, counters: Tensor, seqs: list[Tenso
         if seqs is None or prompt_lens is None:
             raise ValueError('seqs and prompt_lens are needed when a request uses penalties')
         logits = apply_penalties(logits, seqs, prompt_lens, sb)
-    tokens = logits.max(-1).indices   # argmax's first-index rule, ~2.5x faster on the CPU
+    tokens = greedy_tokens(logits)
     if not sb.all_greedy:
         rows = (~sb.greedy).nonzero().squeeze(1)
         sub = {k: getattr(sb, k)[rows] for k in ('top_k', 'top_p', 'min_p')}

@@ -173,3 +173,27 @@ def test_decode_layers_used_for_bf16_decode():
     assert m._direct_decode(x, ctx) == hasattr(EXT, "linear_gemv")
     assert not m._direct_decode(torch.zeros(8, 64, dtype=torch.bfloat16), ctx)   # too many rows for the GEMV
     assert not m._direct_decode(x.float(), ctx)
+
+
+@needs_ext
+@pytest.mark.parametrize("shape", [(1, 1), (3, 15), (5, 17), (48, 49152), (7, 1000)])
+def test_argmax_rows_is_torch_max_indices(shape):
+    "The first maximum of every row, the first NaN where a row has one, at every tail of the 16 lanes."
+    g = torch.Generator().manual_seed(shape[1])
+    x = torch.randn(*shape, generator=g)
+    if shape[1] >= 8:
+        x[0, [1, shape[1] - 1]] = 50.0                           # a tie: the first index wins
+        x[-1] = -float("inf")                                   # all -inf: index 0
+    if shape[0] >= 3 and shape[1] >= 8:
+        x[1, [shape[1] // 2, 2]] = float("nan")                 # the first NaN wins over everything
+        x[2, shape[1] - 1] = float("inf")
+    assert torch.equal(EXT.argmax_rows(x), x.max(-1).indices)
+    if shape[1] > 2:
+        assert torch.equal(EXT.argmax_rows(x[:, 1:]), x[:, 1:].max(-1).indices)   # rows not 64-byte aligned
+
+
+@needs_ext
+def test_argmax_rows_rejects_bad_input():
+    with pytest.raises(RuntimeError, match="float32"): EXT.argmax_rows(torch.zeros(2, 3, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="2-D"): EXT.argmax_rows(torch.zeros(3))
+    with pytest.raises(RuntimeError, match="1 to"): EXT.argmax_rows(torch.zeros(2, 0))
