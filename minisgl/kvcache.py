@@ -368,6 +368,21 @@ def allocate(self: CacheManager, req: Req) -> torch.Tensor:
     self.page_table[row, start:end] = slots
     return slots
 
+# %% ../nbs/01_kvcache.ipynb #63be5f62
+@patch
+def allocate_decode(self: CacheManager, reqs: list[Req]) -> torch.Tensor:
+    "`allocate` for requests that each grow by one position past their first allocation; their slots, in order."
+    if any(r.device_len - r.cached_len != 1 or r.table_idx not in self.owned for r in reqs):
+        raise ValueError("allocate_decode: every request must own its row and grow by exactly one position")
+    ps = self.page_size
+    rows = torch.tensor([r.table_idx for r in reqs], dtype=torch.int64)
+    pos = torch.tensor([r.cached_len for r in reqs], dtype=torch.int64)
+    slots = self.page_table[rows, pos - 1] + 1          # the next slot of the last page ...
+    for i, r in enumerate(reqs):
+        if r.cached_len % ps == 0: slots[i] = self.allocate(r)[0]   # ... unless that page is full
+    self.page_table[rows, pos] = slots
+    return slots
+
 # %% ../nbs/01_kvcache.ipynb #8e2b218f
 @patch
 def cache_req(self: CacheManager, req: Req, finished: bool):

@@ -282,13 +282,18 @@ def _normal_round(self: Scheduler) -> list[TokenOutput]:
 @patch
 def _prepare_batch(self: Scheduler, batch: Batch) -> Batch:
     dev = self.engine.device
-    slots = [self.cache_manager.allocate(req) for req in batch.reqs]   # each request's new slots, in order
+    cm = self.cache_manager
+    if batch.is_decode:   # one new position per request: their slots together (allocate_decode)
+        slots = cm.allocate_decode(batch.reqs)
+        positions = torch.tensor([r.cached_len for r in batch.reqs], dtype=torch.int64)
+    else:
+        slots = torch.cat([cm.allocate(req) for req in batch.reqs])   # each request's new slots, in order
+        positions = torch.cat([torch.arange(r.cached_len, r.device_len) for r in batch.reqs])
     rows = torch.tensor([r.table_idx for r in batch.reqs], dtype=torch.int64)
     extend = torch.tensor([r.extend_len for r in batch.reqs], dtype=torch.int64)
-    positions = torch.cat([torch.arange(r.cached_len, r.device_len) for r in batch.reqs])
     page_table = self.table_manager.page_table
     batch.positions = positions.to(dev)
-    batch.out_loc = torch.cat(slots).to(dev, torch.int64)
+    batch.out_loc = slots.to(dev, torch.int64)
     batch.table_idx = rows.to(dev, torch.int32)
     batch.seq_lens = torch.tensor([r.device_len for r in batch.reqs], dtype=torch.int32, device=dev)
     batch.extend_lens = extend.to(dev, torch.int32)
