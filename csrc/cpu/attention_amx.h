@@ -7,7 +7,8 @@
 // two passes over the task's keys, so that the sums can stay in the tiles (no online rescaling):
 //   1. S^T = K Q^T, 16 keys at a time: a tile of 16 K rows (loaded straight from the cache when the 16 slots are
 //      consecutive, as a page's are; else gathered) times Q^T in pairs layout ([d pair][head] words, zero past
-//      the G heads); the scores go to a per-thread buffer [key][16], and their maximum per head is kept;
+//      the G heads); their maximum per head is kept, and the 16 x 16 tile of scores is transposed in registers
+//      into a per-thread buffer [head][key], so that pass 2 reads each head's scores as whole vectors;
 //   2. P = exp(scale (S - max)) for each head (fp32; its sum is the softmax denominator), rounded to bf16 as
 //      flash attention does, then O += P V, 32 keys at a time: V's rows interleaved into key pairs ([key pair]
 //      [dim] words, four tiles of 16 dims) and P as a tile [head][32 keys]; O stays in four tiles.

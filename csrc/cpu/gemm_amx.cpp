@@ -79,6 +79,9 @@ thread_local int tile_config = -1;  // the key (r0, r1) of this thread's loaded 
 MINISGL_TAMX void configure(int r0, int r1) {
   const int key = r0 * 32 + r1;
   if (key == tile_config) return;
+  // a block of one row tile leaves tmm2, 3 and 5 unused: the loaded configuration serves if its first rows match
+  // (a 48-row batch alternated (16, 16) and (16, 0) at every pair of output blocks: ldtilecfg is not cheap)
+  if (r1 == 0 && tile_config >= 0 && tile_config / 32 == r0) return;
   TileConfig cfg;
   const int rows[8] = {r0, r0, r1, r1, r0, r1, 16, 16};  // C00 C01 C10 C11 A0 A1 B0 B1
   for (int t = 0; t < 8; ++t) {
