@@ -41,7 +41,7 @@ fi
 
 ext_stamp=.venv/.minisgl-ext-$( (cat setup.py; find csrc -type f | sort | xargs cat 2>/dev/null) | sha1sum | cut -c1-12)
 if [ ! -f "$ext_stamp" ] || ! .venv/bin/python -c "import minisgl" 2>/dev/null; then
-  echo "[setup] building minisgl and its native extension (csrc/: 7 files, about 2 minutes on 2 cores; full log in .venv/build.log)"
+  echo "[setup] building minisgl and its native extension (csrc/: $(ls csrc/*.cpp csrc/cpu/*.cpp | wc -l) C++ files, about 2 minutes on 2 cores; full log in .venv/build.log)"
   # pip -v lets ninja's progress through; each file is named as its compile starts
   set +e
   "${PIP[@]}" install -v --no-build-isolation --no-deps -e . 2>&1 | tee .venv/build.log |
