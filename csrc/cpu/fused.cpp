@@ -407,7 +407,7 @@ void rope_store_kv_cpu(at::Tensor& qkv, const at::Tensor& positions, const at::T
     });
     return;
   }
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_store_kv_", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kHalf, qkv.scalar_type(), "rope_store_kv_", [&] {  // bf16 took the path above
     scalar_t* base = qkv.data_ptr<scalar_t>();
     const scalar_t* cp = cos.data_ptr<scalar_t>();
     const scalar_t* sp = sin.data_ptr<scalar_t>();
