@@ -30,9 +30,10 @@ from .kernels import native
 # %% auto #0
 __all__ = ['GEMV_MAX_ROWS', 'KERNELS', 'LAYOUT', 'ROW_BUCKETS', 'GEMV_PLAN_MAX_ROWS', 'PLAN_FORMAT', 'logger', 'NATIVE_KERNELS',
            'linear_ref', 'gemv_available', 'linear', 'amx_available', 'onednn_bf16_available', 'kernel_runs',
-           'pack_weight', 'run_linear', 'cpu_signature', 'measure_linear', 'choose_kernels', 'KernelPlan', 'LinearSpec',
-           'measure_plan', 'forced_plan', 'plan_cache_dir', 'plan_cache_file', 'kernel_plan', 'PackedLinear',
-           'can_pack_linears', 'linear_specs', 'pack_linears', 'module_tensors', 'to_huge_pages']
+           'pack_weight', 'run_linear', 'cpu_signature', 'measure_linear', 'LinearSpec', 'measure_step',
+           'choose_kernels', 'KernelPlan', 'measure_plan', 'forced_plan', 'plan_cache_dir', 'plan_cache_file',
+           'kernel_plan', 'PackedLinear', 'can_pack_linears', 'linear_specs', 'pack_linears', 'module_tensors',
+           'to_huge_pages']
 
 # %% ../nbs/04c_linear.ipynb #b05d00f6
 def linear_ref(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -127,7 +128,7 @@ def run_linear(kernel: str, x: Tensor, w: Tensor, out_features: int, bias: Tenso
     raise ValueError(f'kernel must be one of {KERNELS}, got {kernel!r}')
 
 # %% ../nbs/04c_linear.ipynb #84e7cdd2
-PLAN_FORMAT = 4   # bumped when the plan file's layout or the way it is measured changes
+PLAN_FORMAT = 5   # bumped when the plan file's layout or the way it is measured changes
 
 def _cpu_model_and_flags() -> tuple[str, list[str]]:
     model, flags = platform.processor() or platform.machine(), []
@@ -165,16 +166,24 @@ _PRUNE_FROM = 16             # ... from this many rows on (below, memory-bound k
 _UNEVEN_FROM = 128           # buckets from here on are also timed at an uneven count of rows inside them
 
 
+def _prune(kernels: list[str], times: dict[str, dict[int, float]], m: int, k: int, last: int) -> list[str]:
+    "`kernels` less those `_HOPELESS` times slower than the best at `m` rows, from `_PRUNE_FROM` rows on."
+    lasting = [kern for kern in kernels if m in times.get(kern, {}) and kernel_runs(kern, last, k)]  # run every bucket
+    if m < _PRUNE_FROM or not lasting: return kernels   # below: memory-bound kernels may cross over later
+    best = min(times[kern][m] for kern in lasting)
+    return [kern for kern in kernels if m not in times.get(kern, {}) or times[kern][m] < _HOPELESS * best]
+
+
 def _uneven(m: int) -> int:
     "An uneven number of rows inside the bucket that ends at `m` (the middle of it, plus one)."
     return (ROW_BUCKETS[ROW_BUCKETS.index(m) - 1] + m) // 2 + 1 if m in ROW_BUCKETS[1:] else m
 
 
-def measure_linear(out_features: int, in_features: int, rows: list[int], copies: int = 1,
-                   reps: int = 5) -> dict[str, dict[int, float]]:
-    "Median seconds per call of every candidate that runs here, `kernel -> rows -> s`, for a bf16 weight [out, in], bias-free."
+def measure_linear(out_features: int, in_features: int, rows: list[int], copies: int = 1, reps: int = 5,
+                   kernels: list[str] | None = None) -> dict[str, dict[int, float]]:
+    "Median seconds per call of every candidate that runs here (or of `kernels`), `kernel -> rows -> s`, for a bf16 weight [out, in], bias-free."
     n, k = out_features, in_features
-    kernels = [kern for kern in KERNELS if kernel_runs(kern, 1, k)]
+    kernels = [kern for kern in (kernels or KERNELS) if kernel_runs(kern, 1, k)]
     copies = max(1, min(copies, -(-_COLD_BYTES // (n * k * 2))))
     gen = torch.Generator().manual_seed(n * 7919 + k)
     ws = [(torch.randn(n, k, generator=gen) * k ** -0.5).to(torch.bfloat16) for _ in range(copies)]
@@ -197,11 +206,55 @@ def measure_linear(out_features: int, in_features: int, rows: list[int], copies:
                     secs += (time.perf_counter() - t0) / use * m / x.shape[0] / len(xs)
                 if rep: samples[kern].append(secs)
         for kern in here: times[kern][m] = statistics.median(samples[kern])
-        lasting = [kern for kern in here if kernel_runs(kern, rows[-1], k)]   # those that run every bucket
-        if m >= _PRUNE_FROM and lasting:   # compute-bound sizes, where the order of the kernels holds as rows grow
-            best = min(times[kern][m] for kern in lasting)
-            kernels = [kern for kern in kernels if kern not in here or times[kern][m] < _HOPELESS * best]
+        kernels = _prune(kernels, times, m, k, rows[-1])
     return {kern: t for kern, t in times.items() if t}
+
+# %% ../nbs/04c_linear.ipynb #ccef246c
+@dataclass(frozen=True)
+class LinearSpec:
+    "What the planner needs to know of one weight shape of a model."
+    count: int = 1                  # linears with this shape (copies cycled through when timing)
+    max_rows: int = ROW_BUCKETS[-1] # rows it will see at most (the LM head: one per request)
+    free: tuple[str, ...] = ()      # layouts that cost no memory (a tied LM head's 'plain')
+
+
+def _buckets_up_to(max_rows: int) -> list[int]:
+    out = [m for m in ROW_BUCKETS if m < max_rows]
+    return out + [next((m for m in ROW_BUCKETS if m >= max_rows), ROW_BUCKETS[-1])]
+
+# %% ../nbs/04c_linear.ipynb #f7ef6347
+_STEP_MAX_ROWS = 64          # buckets up to here are timed inside passes over a whole step's weights
+_STEP_BYTES = 512 << 20      # ... at most this much of them per weight layout (every shape's count scaled alike)
+
+
+def measure_step(specs: dict[tuple[int, int], LinearSpec], rows: list[int],
+                 reps: int = 5) -> dict[tuple[int, int], dict[str, dict[int, float]]]:
+    "Median seconds per call, `shape -> kernel -> rows -> s`, timed inside passes of one kernel over every shape's weights, `count` copies each."
+    scale = min(1.0, _STEP_BYTES / max(1, sum(2 * n * k * spec.count for (n, k), spec in specs.items())))
+    gen = torch.Generator().manual_seed(0)
+    kernels, weights = {}, {}
+    for (n, k), spec in specs.items():
+        kernels[n, k] = [kern for kern in KERNELS if kernel_runs(kern, 1, k)]
+        w = (torch.randn(n, k, generator=gen) * k ** -0.5).to(torch.bfloat16)
+        copies = max(1, round(spec.count * scale))   # the same values in distinct memory: where they are is what counts
+        weights[n, k] = {lay: [pack_weight(lay, w.clone()) for _ in range(copies)]
+                         for lay in {LAYOUT[kern] for kern in kernels[n, k]}}
+    times = {s: {kern: {} for kern in ks} for s, ks in kernels.items()}
+    for m in rows:
+        shapes = [s for s, spec in specs.items() if m in _buckets_up_to(spec.max_rows)]
+        xs = {s: torch.randn(m, s[1], generator=gen).to(torch.bfloat16) for s in shapes}
+        samples = {(s, kern): [] for s in shapes for kern in kernels[s] if kernel_runs(kern, m, s[1])}
+        for rep in range(reps + 1):                  # the first pass warms up
+            for kern in KERNELS:                     # a pass: one kernel through every shape in turn
+                for s in shapes:
+                    if (s, kern) not in samples: continue
+                    wl = weights[s][LAYOUT[kern]]
+                    t0 = time.perf_counter()
+                    for w in wl: run_linear(kern, xs[s], w, s[0])
+                    if rep: samples[s, kern].append((time.perf_counter() - t0) / len(wl))
+        for (s, kern), v in samples.items(): times[s][kern][m] = statistics.median(v)
+        for s in shapes: kernels[s] = _prune(kernels[s], times[s], m, s[1], _buckets_up_to(specs[s].max_rows)[-1])
+    return {s: {kern: t for kern, t in ts.items() if t} for s, ts in times.items()}
 
 # %% ../nbs/04c_linear.ipynb #b22e4f92
 def choose_kernels(times: dict[str, dict[int, float]], max_layouts: int = 2,
@@ -264,25 +317,17 @@ def table(self: KernelPlan) -> str:
     return '\n'.join(out)
 
 # %% ../nbs/04c_linear.ipynb #ec377408
-@dataclass(frozen=True)
-class LinearSpec:
-    "What the planner needs to know of one weight shape of a model."
-    count: int = 1                  # linears with this shape (copies cycled through when timing)
-    max_rows: int = ROW_BUCKETS[-1] # rows it will see at most (the LM head: one per request)
-    free: tuple[str, ...] = ()      # layouts that cost no memory (a tied LM head's 'plain')
-
-
-def _buckets_up_to(max_rows: int) -> list[int]:
-    out = [m for m in ROW_BUCKETS if m < max_rows]
-    return out + [next((m for m in ROW_BUCKETS if m >= max_rows), ROW_BUCKETS[-1])]
-
-
 def measure_plan(specs: dict[tuple[int, int], LinearSpec], max_layouts: int = 2, reps: int = 5) -> KernelPlan:
-    "Time every candidate for every shape in `specs` and keep the fastest per bucket (see `choose_kernels`)."
-    t0, times, choices = time.perf_counter(), {}, {}
+    "Time every candidate for every shape in `specs` (a whole step up to `_STEP_MAX_ROWS` rows, one shape at a time past it) and keep the fastest per bucket (see `choose_kernels`)."
+    t0 = time.perf_counter()
+    times = measure_step(specs, [m for m in ROW_BUCKETS if m <= _STEP_MAX_ROWS], reps)
     for shape, spec in specs.items():
-        times[shape] = measure_linear(*shape, _buckets_up_to(spec.max_rows), spec.count, reps)
-        choices[shape] = choose_kernels(times[shape], max_layouts, spec.free)
+        buckets = _buckets_up_to(spec.max_rows)
+        more, last = [m for m in buckets if m > _STEP_MAX_ROWS], max(m for m in buckets if m <= _STEP_MAX_ROWS)
+        alive = [kern for kern, t in times[shape].items() if last in t]   # not dropped as hopeless in the step
+        for kern, t in (measure_linear(*shape, more, spec.count, reps, alive) if more else {}).items():
+            times[shape].setdefault(kern, {}).update(t)
+    choices = {s: choose_kernels(times[s], max_layouts, specs[s].free) for s in specs}
     return KernelPlan(choices, times, 'measured', time.perf_counter() - t0)
 
 

@@ -283,3 +283,54 @@ def test_auto_dtype_follows_the_bf16_kernels():
         available, dtype = r.stdout.split()
         assert dtype == ("torch.bfloat16" if available == "True" or onednn_bf16 else "torch.float32")
         if cap == "baseline": assert available == "False"
+
+
+def _count_calls(monkeypatch, slow=lambda kern, rows: False):
+    "Record every `run_linear` call as (kernel, shape, rows, id of the weight); a fake clock: 8 units where `slow`, else 1."
+    import types
+    import minisgl.linear as L
+    real, clock, calls = L.run_linear, [0.0], []
+    def fake(kern, x, w, n, *a, **k):
+        clock[0] += 8.0 if slow(kern, x.shape[0]) else 1.0
+        calls.append((kern, (n, x.shape[1]), x.shape[0], id(w)))   # the weights live through the timing
+        return real(kern, x, w, n, *a, **k)
+    monkeypatch.setattr(L, "run_linear", fake)
+    monkeypatch.setattr(L, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    return L, calls
+
+
+def test_step_timing_passes_over_every_shape(monkeypatch):
+    """`measure_step` runs one kernel through every shape in turn, each over `count` distinct copies (scaled down
+    alike past `_STEP_BYTES`), and times a shape only at the buckets it will see."""
+    L, calls = _count_calls(monkeypatch)
+    specs = {(48, 32): LinearSpec(3, 64), (32, 64): LinearSpec(2, 8)}
+    times = L.measure_step(specs, [1, 2, 16], reps=1)
+    here = [kern for kern in KERNELS if kernel_runs(kern, 1, 32)]
+    assert set(times[(48, 32)]) == set(here)
+    for kern in here:
+        assert sorted(times[(48, 32)][kern]) == [m for m in (1, 2, 16) if kernel_runs(kern, m, 32)]
+        assert sorted(times[(32, 64)][kern]) == [m for m in (1, 2) if kernel_runs(kern, m, 64)]   # max_rows 8
+    for kern in here:                  # `count` distinct copies, each run once per pass (2 passes: reps + warm-up)
+        for shape, count in (((48, 32), 3), ((32, 64), 2)):
+            mine = [c for c in calls if c[0] == kern and c[1] == shape and c[2] == 1]
+            assert len(mine) == 2 * count and len({c[3] for c in mine}) == count
+    # one pass = one kernel over both shapes: the kernel changes only between passes
+    seq = [(c[0], c[1]) for c in calls if c[2] == 1]
+    kern_runs = [k for i, (k, _) in enumerate(seq) if i == 0 or seq[i - 1][0] != k]
+    assert len(kern_runs) == 2 * len(here)
+    calls.clear()
+    monkeypatch.setattr(L, "_STEP_BYTES", (48 * 32 * 3 + 32 * 64 * 2) * 2 // 3)   # a third of the model: 1 copy each
+    L.measure_step(specs, [1], reps=1)
+    assert all(len({c[3] for c in calls if c[0] == k and c[1] == s}) == 1 for k in here for s in specs)
+
+
+def test_plan_times_the_step_then_the_rest(monkeypatch):
+    """A plan times up to 64 rows as a step and past that one shape at a time; a candidate dropped as hopeless in
+    the step is not timed at the larger buckets."""
+    L, calls = _count_calls(monkeypatch, slow=lambda kern, rows: kern == "torch")
+    plan = L.measure_plan({(48, 32): LinearSpec(2, 256)}, reps=1)
+    times = plan.times[(48, 32)]
+    assert sorted(times["torch"]) == [1, 2, 3, 4, 8, 16]
+    assert any(sorted(t) == [1, 2, 3, 4, 8, 16, 32, 64, 128, 192, 256] for t in times.values())
+    assert not [c for c in calls if c[0] == "torch" and c[2] > 16]
+    assert {k for _, k in plan.choices[(48, 32)]} <= set(times) - {"torch"}
