@@ -5,7 +5,10 @@ and the speed of single-request decode, the default model (SmolLM2-135M-Instruct
 - HF transformers: `generate` on one sequence, in bf16 (`--hf-dtype`);
 - llama.cpp: `llama-bench` (`--llama-bench PATH`, built outside the repo with the issue's flags) on the same GGUF
   file, which it runs quantized (Q4_1) while minisgl and HF de-quantize it to bf16: `pp265` (the prompt in one
-  batch) and `tg128` (128 tokens decoded one by one), with as many threads as torch uses.
+  batch) and `tg128` (128 tokens decoded one by one), with as many threads as torch uses;
+- llama.cpp bf16 (with `--llama-quantize PATH` too): the same on a BF16 copy of that file made by llama.cpp's
+  `llama-quantize --allow-requantize` (in a temporary folder): the values minisgl runs, and the same 270 MB read
+  per token, so that decode compares kernels rather than bytes.
 
 What is timed, for minisgl and HF alike (wall clock, the public API, a new random-token prompt every time so that no
 prefix cache hits):
@@ -17,7 +20,8 @@ its first-token time here is `--prompt-len` / its pp rate. Every repeat runs all
 are reported: the machine is shared and its speed drifts. Writes JSON (`--out`) with the CPU model, flags, cores,
 torch version and date; on a CPU with AMX, the run is repeated as a CPU without it (oneDNN capped below AMX, minisgl's AMX kernel off).
 
-    .venv/bin/python benchmarks/bench_latency.py --llama-bench /path/to/llama-bench --out latency.json
+    .venv/bin/python benchmarks/bench_latency.py --llama-bench /path/to/llama-bench \
+        --llama-quantize /path/to/llama-quantize --out latency.json
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -76,6 +81,14 @@ def llama_bench(path: str, gguf: str, threads: int, prompt: int, new: int) -> di
     return {"pp": get("pp"), "tg": get("tg")}
 
 
+def bf16_copy(quantize: str, gguf: str, folder: str) -> str:
+    "A BF16 copy of `gguf` in `folder`, made by llama.cpp's `llama-quantize` (which de-quantizes, then stores bf16)."
+    out = os.path.join(folder, os.path.basename(gguf).rsplit(".", 2)[0] + ".BF16.gguf")
+    r = subprocess.run([quantize, "--allow-requantize", gguf, out, "BF16"], capture_output=True, text=True, timeout=600)
+    if r.returncode != 0 or not os.path.exists(out): raise RuntimeError(f"llama-quantize failed: {r.stderr.strip()[-500:]}")
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompt-len", type=int, default=265)
@@ -85,6 +98,8 @@ def main():
     ap.add_argument("--hf-dtype", default="bfloat16")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--llama-bench", default=None, metavar="PATH", help="llama.cpp's llama-bench, built for this CPU")
+    ap.add_argument("--llama-quantize", default=None, metavar="PATH",
+                    help="llama.cpp's llama-quantize: also run llama-bench on a BF16 copy of the GGUF")
     ap.add_argument("--out", default=None, metavar="FILE.json")
     ap.add_argument("--no-cap-run", action="store_true", help="on an AMX CPU, skip the run capped below AMX (oneDNN and minisgl)")
     args = ap.parse_args()
@@ -100,34 +115,44 @@ def main():
     if not args.no_hf: systems["hf"] = hf_timer(resolve_model(None, progress=False), args.hf_dtype)
     for once in systems.values():   # warm-up
         once(random_prompt(rng, args.prompt_len, vocab), 1); once(random_prompt(rng, args.decode_prompt, vocab), 8)
-    missing = {}
+    missing, ggufs = {}, {}
+    tmp = tempfile.TemporaryDirectory(prefix="minisgl-bench-")
     if not args.llama_bench: missing["llama.cpp"] = "not run: give --llama-bench (llama.cpp's llama-bench, built for this CPU)"
+    else:
+        ggufs["llama.cpp"] = str(default_gguf_path())
+        if not args.llama_quantize: missing["llama.cpp bf16"] = "not run: give --llama-quantize (llama.cpp's llama-quantize)"
+        else:
+            try: ggufs["llama.cpp bf16"] = bf16_copy(args.llama_quantize, ggufs["llama.cpp"], tmp.name)
+            except (RuntimeError, OSError, subprocess.TimeoutExpired) as e: missing["llama.cpp bf16"] = str(e)
 
     first = {k: [] for k in systems}; decode = {k: [] for k in systems}
-    llama = {"pp": [], "tg": []}
+    llama = {name: {"pp": [], "tg": []} for name in ggufs}
     for rep in range(args.reps):
         for k, once in systems.items():
             first[k].append(once(random_prompt(rng, args.prompt_len, vocab), 1))
             t1 = once(random_prompt(rng, args.decode_prompt, vocab), 1)
             tn = once(random_prompt(rng, args.decode_prompt, vocab), 1 + args.new_tokens)
             decode[k].append(args.new_tokens / (tn - t1))
-        if args.llama_bench and "llama.cpp" not in missing:
+        for name, gguf in ggufs.items():
+            if name in missing: continue
             try:
-                r = llama_bench(args.llama_bench, str(default_gguf_path()), info["threads"], args.prompt_len, args.new_tokens)
-                llama["pp"].append(r["pp"]); llama["tg"].append(r["tg"])
+                r = llama_bench(args.llama_bench, gguf, info["threads"], args.prompt_len, args.new_tokens)
+                llama[name]["pp"].append(r["pp"]); llama[name]["tg"].append(r["tg"])
             except (RuntimeError, OSError, subprocess.TimeoutExpired, StopIteration, ValueError) as e:
-                missing["llama.cpp"] = str(e)
+                missing[name] = str(e)
         print(f"rep {rep + 1}: " + ", ".join(f"{k} first token {first[k][-1] * 1e3:.0f} ms, decode {decode[k][-1]:.1f} tok/s"
                                           for k in systems) +
-              (f", llama.cpp pp {llama['pp'][-1]:.0f} tok/s, tg {llama['tg'][-1]:.1f} tok/s" if llama["pp"] else ""),
-              flush=True)
+              "".join(f", {name} pp {r['pp'][-1]:.0f} tok/s, tg {r['tg'][-1]:.1f} tok/s"
+                      for name, r in llama.items() if r["pp"] and name not in missing), flush=True)
+    tmp.cleanup()
 
     med = statistics.median
     res = {k: {"first_token_s": med(first[k]), "prefill_tok_s": args.prompt_len / med(first[k]),
                "decode_tok_s": med(decode[k])} for k in systems}
-    if llama["pp"] and "llama.cpp" not in missing:
-        res["llama.cpp"] = {"first_token_s": args.prompt_len / med(llama["pp"]), "prefill_tok_s": med(llama["pp"]),
-                            "decode_tok_s": med(llama["tg"])}
+    for name, r in llama.items():
+        if r["pp"] and name not in missing:
+            res[name] = {"first_token_s": args.prompt_len / med(r["pp"]), "prefill_tok_s": med(r["pp"]),
+                         "decode_tok_s": med(r["tg"])}
     ours = res["minisgl"]
     print(f"\none request, medians of {args.reps}: first token of a {args.prompt_len}-token prompt, and decode")
     print("| system | first token | prefill tok/s | decode tok/s | minisgl prefill / it | minisgl decode / it |")
