@@ -76,13 +76,6 @@ void for_rows(int64_t rows, F&& f) {
   }
 }
 
-// The variant of a row kernel compiled for the ISA the attention kernels run (isa.h; MINISGL_CPU_ISA caps all).
-template <typename Fn>
-Fn for_isa(Fn avx512, Fn avx2, Fn base) {
-  const cpu::Isa isa = cpu::best_isa();
-  return isa >= cpu::Isa::avx512 ? avx512 : isa == cpu::Isa::avx2 ? avx2 : base;
-}
-
 // norm_row for bf16 on raw bits, so that both passes vectorise (with c10::BFloat16 they stayed scalar: 2048 rows
 // of 576 took ~1.2 ms, ~10% of a prefill). With `res`, first res = bf16(x + res) and the norm is of that sum.
 // `out` may be `x` (in place): x is read in the first pass only.
@@ -109,30 +102,7 @@ inline void norm_bf16_row(const uint16_t* x, uint16_t* res, const uint16_t* __re
   for (int64_t j = 0; j < n; ++j) out[j] = bf16_round(bf16_float(bf16_round(buf[j] * r)) * bf16_float(w[j]));
 }
 
-using NormRowFn = void (*)(const uint16_t*, uint16_t*, const uint16_t*, uint16_t*, float*, int64_t, float);
-#if defined(__GNUC__) && defined(__x86_64__)
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"), flatten)) void norm_row_avx512(
-    const uint16_t* x, uint16_t* res, const uint16_t* w, uint16_t* out, float* buf, int64_t n, float eps) {
-  norm_bf16_row(x, res, w, out, buf, n, eps);
-}
-__attribute__((target("avx2,fma"), flatten)) void norm_row_avx2(const uint16_t* x, uint16_t* res, const uint16_t* w,
-                                                               uint16_t* out, float* buf, int64_t n, float eps) {
-  norm_bf16_row(x, res, w, out, buf, n, eps);
-}
-#endif
-void norm_row_base(const uint16_t* x, uint16_t* res, const uint16_t* w, uint16_t* out, float* buf, int64_t n,
-                   float eps) {
-  norm_bf16_row(x, res, w, out, buf, n, eps);
-}
-
-NormRowFn pick_norm_row() {
-#if defined(__GNUC__) && defined(__x86_64__)
-  static const NormRowFn f = for_isa<NormRowFn>(norm_row_avx512, norm_row_avx2, norm_row_base);
-  return f;
-#else
-  return norm_row_base;
-#endif
-}
+using NormRow = cpu::RowKernel<norm_bf16_row>;  // compiled per ISA (isa.h; MINISGL_CPU_ISA caps all)
 
 // The bf16 rows of rms_norm (res null, out a new tensor) and fused_add_rms_norm_ (out = x).
 void norm_bf16_rows(const at::Tensor& x, at::Tensor* residual, const at::Tensor& weight, at::Tensor& out, double eps) {
@@ -142,7 +112,7 @@ void norm_bf16_rows(const at::Tensor& x, at::Tensor* residual, const at::Tensor&
   uint16_t* rp = residual ? reinterpret_cast<uint16_t*>(residual->data_ptr()) : nullptr;
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr());
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-  const NormRowFn row = pick_norm_row();
+  const auto row = NormRow::pick();
   for_rows(rows, [&](int64_t r0, int64_t r1) {
     std::vector<float> buf(n);
     for (int64_t i = r0; i < r1; ++i)
@@ -233,34 +203,11 @@ inline void silu_mul_bf16_row(const uint16_t* __restrict g, const uint16_t* __re
   }
 }
 
-using SiluRowFn = void (*)(const uint16_t*, const uint16_t*, uint16_t*, int64_t);
-#if defined(__GNUC__) && defined(__x86_64__)
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"), flatten)) void silu_row_avx512(
-    const uint16_t* g, const uint16_t* u, uint16_t* o, int64_t n) { silu_mul_bf16_row(g, u, o, n); }
-__attribute__((target("avx2,fma"), flatten)) void silu_row_avx2(const uint16_t* g, const uint16_t* u, uint16_t* o,
-                                                               int64_t n) { silu_mul_bf16_row(g, u, o, n); }
-#endif
-void silu_row_base(const uint16_t* g, const uint16_t* u, uint16_t* o, int64_t n) { silu_mul_bf16_row(g, u, o, n); }
-
-SiluRowFn pick_silu_row() {
-#if defined(__GNUC__) && defined(__x86_64__)
-  static const SiluRowFn f = for_isa<SiluRowFn>(silu_row_avx512, silu_row_avx2, silu_row_base);
-  return f;
-#else
-  return silu_row_base;
-#endif
-}
+using SiluRow = cpu::RowKernel<silu_mul_bf16_row>;
 
 }  // namespace
 
-std::string silu_isa() {
-  const SiluRowFn f = pick_silu_row();
-#if defined(__GNUC__) && defined(__x86_64__)
-  if (f == silu_row_avx512) return "avx512";
-  if (f == silu_row_avx2) return "avx2";
-#endif
-  return "baseline";
-}
+std::string silu_isa() { return SiluRow::picked(); }
 
 void silu_mul_out_cpu(const at::Tensor& gate_up, at::Tensor& out) {
   check_rows(gate_up, "silu_mul", "gate_up");
@@ -273,13 +220,13 @@ void silu_mul_out_cpu(const at::Tensor& gate_up, at::Tensor& out) {
   if (gate_up.scalar_type() == at::kBFloat16) {
     const uint16_t* gp = reinterpret_cast<const uint16_t*>(gate_up.data_ptr());
     uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-    const SiluRowFn row = pick_silu_row();
+    const auto row = SiluRow::pick();
     for_rows(rows, [&](int64_t r0, int64_t r1) {
       for (int64_t i = r0; i < r1; ++i) row(gp + i * gs, gp + i * gs + n, op + i * os, n);
     });
     return;
   }
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_mul", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kHalf, gate_up.scalar_type(), "silu_mul", [&] {  // bf16 took the path above
     const scalar_t* gp = gate_up.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     for_rows(rows, [&](int64_t r0, int64_t r1) {
@@ -326,25 +273,7 @@ inline void rope_bf16_heads(uint16_t* __restrict row, const uint16_t* __restrict
   }
 }
 
-using RopeRowFn = void (*)(uint16_t*, const uint16_t*, const uint16_t*, int64_t, int64_t);
-#if defined(__GNUC__) && defined(__x86_64__)
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"), flatten)) void rope_row_avx512(
-    uint16_t* x, const uint16_t* c, const uint16_t* s, int64_t h, int64_t D) { rope_bf16_heads(x, c, s, h, D); }
-__attribute__((target("avx2,fma"), flatten)) void rope_row_avx2(uint16_t* x, const uint16_t* c, const uint16_t* s,
-                                                               int64_t h, int64_t D) { rope_bf16_heads(x, c, s, h, D); }
-#endif
-void rope_row_base(uint16_t* x, const uint16_t* c, const uint16_t* s, int64_t h, int64_t D) {
-  rope_bf16_heads(x, c, s, h, D);
-}
-
-RopeRowFn pick_rope_row() {
-#if defined(__GNUC__) && defined(__x86_64__)
-  static const RopeRowFn f = for_isa<RopeRowFn>(rope_row_avx512, rope_row_avx2, rope_row_base);
-  return f;
-#else
-  return rope_row_base;
-#endif
-}
+using RopeRow = cpu::RowKernel<rope_bf16_heads>;
 
 }  // namespace
 
@@ -394,7 +323,7 @@ void rope_store_kv_cpu(at::Tensor& qkv, const at::Tensor& positions, const at::T
     const uint16_t* sp = reinterpret_cast<const uint16_t*>(sin.data_ptr());
     uint16_t* kc = reinterpret_cast<uint16_t*>(k_cache.data_ptr());
     uint16_t* vc = reinterpret_cast<uint16_t*>(v_cache.data_ptr());
-    const RopeRowFn rope = pick_rope_row();
+    const auto rope = RopeRow::pick();
     for_rows(N, [&](int64_t r0, int64_t r1) {
       for (int64_t i = r0; i < r1; ++i) {
         uint16_t* row = base + i * qs;
