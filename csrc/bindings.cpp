@@ -97,12 +97,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(), py::arg("isa") = "");
   m.def("linear_packed_available", &minisgl::linear_packed_available,
         "whether linear_packed runs here (a CPU with AVX2 and FMA, or AVX512-BF16)");
-  m.def("linear_packed_isa", &minisgl::linear_packed_isa, "the body linear_packed runs here: avx512bf16 | avx2 | none");
+  m.def("linear_packed_isa", &minisgl::linear_packed_isa,
+        "the body linear_packed runs here by default: avx512bf16 | avx512 | avx2 | none");
   m.def("pack_linear_weight", &minisgl::pack_linear_weight,
         "repack a bf16 weight [N, K] for linear_packed: [ceil(N/16), K/2, 16, 2], zero rows past N", py::arg("weight"));
   m.def("linear_packed", &minisgl::linear_packed,
         "y = x @ weight.T (+ bias) for a batch of bf16 rows, weight packed by pack_linear_weight; N: its rows",
-        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none(), py::arg("amx") = false);
+        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none(), py::arg("amx") = false,
+        py::arg("fma") = false);
+  m.def("linear_fma_available", &minisgl::linear_fma_available,
+        "whether linear_packed(..., fma=True) runs here: fp32 FMAs on AVX-512 (MINISGL_CPU_ISA not capping it lower)");
   m.def("linear_amx_available", &minisgl::linear_amx_available,
         "whether linear_packed(..., amx=True) runs here: a CPU with AMX-BF16 whose OS lends this process the tile "
         "state, MINISGL_CPU_ISA not capping it");
@@ -125,12 +129,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "all decoder layers of a bf16 decode step of up to 64 rows on the CPU (the loop of CausalLM._decode_layers, "
         "in C++, one parallel region; the GIL is released); weights: 10 per layer, projections plain or packed. "
         "Returns (x, residual), or (logits, residual) given final_norm and lm_head (vocab_size for a packed one); "
-        "amx: which of qkv, o, gate_up, down, lm_head run their packed weight on AMX",
+        "amx, fma: which of qkv, o, gate_up, down, lm_head run their packed weight on AMX, on AVX-512 FMAs",
         py::arg("x"), py::arg("weights"), py::arg("eps"), py::arg("k_caches"), py::arg("v_caches"), py::arg("cos"),
         py::arg("sin"), py::arg("positions"), py::arg("out_loc"), py::arg("page_table"), py::arg("table_idx"),
         py::arg("seq_lens"), py::arg("num_q_heads"), py::arg("num_kv_heads"), py::arg("scale"),
         py::arg("sliding_windows"), py::arg("final_norm") = py::none(), py::arg("lm_head") = py::none(),
-        py::arg("vocab_size") = -1, py::arg("amx") = std::vector<bool>{}, py::call_guard<py::gil_scoped_release>());
+        py::arg("vocab_size") = -1, py::arg("amx") = std::vector<bool>{}, py::arg("fma") = std::vector<bool>{},
+        py::call_guard<py::gil_scoped_release>());
   m.def("has_cuda", &minisgl::has_cuda, "whether the CUDA kernels were compiled in");
   m.def("cpu_isa", &minisgl::cpu_isa, "the instruction set the CPU kernels use on this machine");
 }

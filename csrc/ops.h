@@ -32,11 +32,13 @@ std::string linear_isa();  // the GEMV variant picked at run time: avx512bf16 | 
 // W widened in registers): pack once with pack_linear_weight ([N, K] -> [ceil(N/16), K/2, 16, 2]), then
 // y[M, N] = x @ W^T (+ bias), bf16.
 bool linear_packed_available();
-std::string linear_packed_isa();  // the body linear_packed runs here: avx512bf16 | avx2 | none
+std::string linear_packed_isa();  // the body linear_packed runs here by default: avx512bf16 | avx512 | avx2 | none
 at::Tensor pack_linear_weight(const at::Tensor& weight);
 at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias,
-                         bool amx = false);  // amx: the same product on AMX tiles (gemm_amx.cpp)
+                         bool amx = false,   // amx: the same product on AMX tiles (gemm_amx.cpp)
+                         bool fma = false);  // fma: on fp32 FMAs (AVX-512) where the default is AVX512-BF16's
 bool linear_amx_available();  // whether linear_packed(..., amx=true) runs here
+bool linear_fma_available();  // whether linear_packed(..., fma=true) runs here: an AVX-512 CPU, no cap below it
 
 // Fused element-wise ops of a decoder layer (csrc/cpu/fused.cpp): x, residual, gate_up, qkv are [rows, features]
 // with a contiguous last dimension; fp32 math, rounded to the tensor dtype where the torch reference rounds.
@@ -60,7 +62,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_cpu(
     const at::Tensor& sin, const at::Tensor& positions, const at::Tensor& out_loc, const at::Tensor& page_table,
     const at::Tensor& table_idx, const at::Tensor& seq_lens, int64_t num_q_heads, int64_t num_kv_heads,
     double scale, const std::vector<int64_t>& sliding_windows, const c10::optional<at::Tensor>& final_norm,
-    const c10::optional<at::Tensor>& lm_head, int64_t vocab_size, const std::vector<bool>& amx);
+    const c10::optional<at::Tensor>& lm_head, int64_t vocab_size, const std::vector<bool>& amx,
+    const std::vector<bool>& fma);
 
 #ifdef MINISGL_WITH_CUDA
 void store_kv_cuda(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& out_loc, const at::Tensor& k,

@@ -86,8 +86,8 @@ def amx_available() -> bool:
     return ext is not None and hasattr(ext, 'linear_amx_available') and ext.linear_amx_available()
 
 # %% ../nbs/04c_linear.ipynb #98ce09e2
-KERNELS = ('gemv', 'tiles', 'amx', 'onednn', 'torch')
-LAYOUT = {'gemv': 'plain', 'tiles': 'tiles', 'amx': 'tiles', 'onednn': 'onednn', 'torch': 'plain'}
+KERNELS = ('gemv', 'tiles', 'fma', 'amx', 'onednn', 'torch')
+LAYOUT = {'gemv': 'plain', 'tiles': 'tiles', 'fma': 'tiles', 'amx': 'tiles', 'onednn': 'onednn', 'torch': 'plain'}
 ROW_BUCKETS = (1, 2, 3, 4, 8, 16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)   # rows are looked up in the next bucket up
 GEMV_PLAN_MAX_ROWS = 8   # the GEMV's register block: past it every 8 rows stream W again
 
@@ -104,6 +104,8 @@ def kernel_runs(kernel: str, rows: int, in_features: int = 2) -> bool:
     if kernel == 'gemv': return gemv_available() and rows <= GEMV_PLAN_MAX_ROWS
     if kernel == 'tiles': return (ext is not None and hasattr(ext, 'linear_packed') and ext.linear_packed_available()
                                   and in_features % 2 == 0)
+    if kernel == 'fma': return (kernel_runs('tiles', rows, in_features) and ext.linear_packed_isa() == 'avx512bf16'
+                                and ext.linear_fma_available())   # offered where it is not already the tiles' body
     if kernel == 'amx': return amx_available() and in_features % 32 == 0
     if kernel == 'onednn': return onednn_bf16_available()
     if kernel == 'torch': return True
@@ -122,6 +124,7 @@ def run_linear(kernel: str, x: Tensor, w: Tensor, out_features: int, bias: Tenso
     "`x` [M, K] times a weight held in `kernel`'s layout (`pack_weight(LAYOUT[kernel], W)`), plus `bias`: [M, out_features]."
     if kernel == 'gemv': return native().linear_gemv(x, w, bias)
     if kernel == 'tiles': return native().linear_packed(x, w, out_features, bias)
+    if kernel == 'fma': return native().linear_packed(x, w, out_features, bias, fma=True)
     if kernel == 'amx': return native().linear_packed(x, w, out_features, bias, True)
     if kernel == 'onednn': return torch.ops.mkldnn._linear_pointwise(x, w, bias, 'none', [], '')
     if kernel == 'torch': return F.linear(x, w, bias)
@@ -400,7 +403,7 @@ def kernel_plan(specs: dict[tuple[int, int], LinearSpec], kernels: str = 'auto',
     return plan
 
 # %% ../nbs/04c_linear.ipynb #d9a4d2f0
-NATIVE_KERNELS = ('gemv', 'tiles', 'amx')   # the kernels chapter 05's one-call decode step runs itself
+NATIVE_KERNELS = ('gemv', 'tiles', 'fma', 'amx')   # the kernels chapter 05's one-call decode step runs itself
 
 class PackedLinear(nn.Module):
     "An `nn.Linear` (bf16, CPU) that runs the kernel its `KernelPlan` picked for each number of rows."

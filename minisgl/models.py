@@ -307,12 +307,13 @@ def _linear_kernel(lin: nn.Module, rows: int) -> str | None:
 
 def _native_weight(lin: nn.Module, rows: int) -> torch.Tensor:
     "The weight a fused decode step hands its kernel: the packed tiles where the plan picked them (on AMX or not), else the plain weight."
-    return lin.tiles if _linear_kernel(lin, rows) in ('tiles', 'amx') else lin.weight
+    return lin.tiles if _linear_kernel(lin, rows) in ('tiles', 'fma', 'amx') else lin.weight
 
 def _decode_linear(lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
     "`lin(x)` in a fused decode step, by the kernel `_linear_kernel` names (a native one) or by the module."
     kern = _linear_kernel(lin, x.shape[0])
-    if kern in ('tiles', 'amx'): return kernels.native().linear_packed(x, lin.tiles, lin.out_features, lin.bias, kern == 'amx')
+    if kern in ('tiles', 'fma', 'amx'):
+        return kernels.native().linear_packed(x, lin.tiles, lin.out_features, lin.bias, kern == 'amx', kern == 'fma')
     if kern == 'gemv': return kernels.native().linear_gemv(x, lin.weight, lin.bias)
     return lin(x)
 
@@ -420,7 +421,8 @@ class CausalLM(nn.Module):
             self.rotary.cos, self.rotary.sin, ctx.positions, ctx.out_loc, ctx.page_table, ctx.table_idx, ctx.seq_lens,
             att.num_heads, att.num_kv_heads, att.scale, [l.self_attn.sliding_window for l in self.layers],
             self.norm.weight if head else None, native_head if head else None, self.lm_head.out_features,
-            [k == 'amx' and (i < 4 or head) for i, k in enumerate(kinds)])
+            [k == 'amx' and (i < 4 or head) for i, k in enumerate(kinds)],
+            [k == 'fma' and (i < 4 or head) for i, k in enumerate(kinds)])
         return out[0] if head else out
 
     def can_fuse(self, x: torch.Tensor, ctx: ForwardContext) -> bool:

@@ -7,6 +7,7 @@ kernel over packed weights (`linear_packed`: AVX512-BF16 dot products, else the 
 prefill-sized row counts, exact rounding to nearest even, the model's shapes against the GEMV, the cap, its
 argument checks. And the same packed weight on AMX (`linear_packed(..., amx=True)`, where the CPU has it): the same
 checks, and AMX turned off cleanly by a cap or by a kernel that refuses the tile state."""
+import itertools
 import os
 import subprocess
 import sys
@@ -22,6 +23,8 @@ EXT = L.native()
 needs_ext = pytest.mark.skipif(not HAS, reason="minisgl._C not built (pip install --no-build-isolation -e .)")
 ORDER = ["baseline", "avx2", "avx512", "avx512bf16"]
 ISAS = ORDER[: ORDER.index(L.native().linear_isa()) + 1] if HAS else []
+# the packed tiles' bodies to test: the default, and the AVX-512 fp32 FMA one where it is another (`fma=True`)
+FMA = [False] + ([True] if HAS and hasattr(EXT, "linear_fma_available") and EXT.linear_fma_available() else [])
 
 
 def ref(x, w, b):
@@ -125,8 +128,8 @@ def test_packed_random_shapes(seed):
     x = torch.randn(M, K + 6, generator=g).bfloat16()[:, 3:K + 3]
     w, b = torch.randn(N, K, generator=g).bfloat16(), torch.randn(N, generator=g).bfloat16()
     p = EXT.pack_linear_weight(w)
-    for bias in (None, b):
-        y = EXT.linear_packed(x, p, N, bias)
+    for bias, fma in itertools.product((None, b), FMA):
+        y = EXT.linear_packed(x, p, N, bias, fma=fma)
         assert y.dtype == torch.bfloat16 and y.shape == (M, N)
         ref = (x.float() @ w.float().T + (0 if bias is None else bias.float())).bfloat16()
         torch.testing.assert_close(y.float(), ref.float(), atol=2e-2 * K ** 0.5, rtol=1.6e-2)
@@ -139,20 +142,20 @@ def test_packed_model_shapes_match_gemv():
     for n, k in [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]:
         w = torch.randn(n, k).bfloat16()
         p = EXT.pack_linear_weight(w)
-        for m in (1, 3, 8, 33, 64):
+        for m, fma in itertools.product((1, 3, 8, 33, 64), FMA):
             x = torch.randn(m, k).bfloat16()
-            torch.testing.assert_close(EXT.linear_packed(x, p, n).float(), EXT.linear_gemv(x, w, None, "").float(),
-                                       atol=1e-2 * k ** 0.5, rtol=1.6e-2)
+            torch.testing.assert_close(EXT.linear_packed(x, p, n, fma=fma).float(),
+                                       EXT.linear_gemv(x, w, None, "").float(), atol=1e-2 * k ** 0.5, rtol=1.6e-2)
 
 
 @needs_tiles
 @pytest.mark.parametrize("K", [576, 1536])
 def test_packed_many_rows(K):
-    "Prefill-sized M: the AVX2 body widens x in chunks of rows (108 at K=576, 42 at K=1536); every chunk and tail is right."
+    "Prefill-sized M: the widening bodies take x in chunks of rows (AVX2: 108 at K=576, 42 at K=1536; AVX-512: 112, 40)."
     torch.manual_seed(K)
-    for M in (107, 108, 109, 300, 701):
+    for M, fma in itertools.product((39, 40, 41, 107, 108, 109, 111, 112, 113, 300, 701), FMA):
         x, w, b = torch.randn(M, K).bfloat16(), torch.randn(50, K).bfloat16(), torch.randn(50).bfloat16()
-        y = EXT.linear_packed(x, EXT.pack_linear_weight(w), 50, b)
+        y = EXT.linear_packed(x, EXT.pack_linear_weight(w), 50, b, fma=fma)
         ref = (x.float() @ w.float().T + b.float()).bfloat16()
         torch.testing.assert_close(y.float(), ref.float(), atol=2e-2 * K ** 0.5, rtol=1.6e-2)
 
@@ -166,23 +169,28 @@ def test_packed_rounds_to_nearest_even():
     b = torch.randint(-300, 300, (45,), generator=g).bfloat16()   # the bias as the kernel gets it
     exact = (x.double() @ w.double().T + b.double()).float()
     assert (exact.abs() > 256).any()   # where bf16 cannot hold every integer: ties are rounded to even
-    y = EXT.linear_packed(x.bfloat16(), EXT.pack_linear_weight(w.bfloat16()), 45, b)
-    assert torch.equal(y, exact.bfloat16())
+    for fma in FMA:
+        y = EXT.linear_packed(x.bfloat16(), EXT.pack_linear_weight(w.bfloat16()), 45, b, fma=fma)
+        assert torch.equal(y, exact.bfloat16()), fma
 
 
 @needs_ext
-@pytest.mark.parametrize("cap,want", [("", None), ("avx2", "avx2"), ("baseline", "none")])
+@pytest.mark.parametrize("cap,want", [("", None), ("avx512", "avx512"), ("avx2", "avx2"), ("baseline", "none")])
 def test_packed_env_cap(cap, want):
-    "MINISGL_CPU_ISA caps the tiles' body as it caps the GEMV: avx2 runs the widening body on any AVX2 CPU, baseline none."
-    code = ("import torch; from minisgl import _C; print(_C.linear_packed_isa(), _C.linear_packed_available());"
+    "MINISGL_CPU_ISA caps the tiles' body as it caps the GEMV: avx512 and avx2 run the widening body on zmm or ymm, baseline none."
+    code = ("import torch; from minisgl import _C; print(_C.linear_packed_isa(), _C.linear_packed_available(), _C.linear_fma_available());"
             "w = torch.randn(40, 96).bfloat16(); x = torch.randn(13, 96).bfloat16();"
             "ok = not _C.linear_packed_available() or torch.allclose(_C.linear_packed(x, _C.pack_linear_weight(w), 40).float(),"
-            " (x.float() @ w.float().T), atol=0.3, rtol=0.02); assert ok")
+            " (x.float() @ w.float().T), atol=0.3, rtol=0.02); assert ok\n"
+            "if not _C.linear_fma_available():\n"
+            "    try: _C.linear_packed(x, _C.pack_linear_weight(w), 40, fma=True); assert False, 'fma ran'\n"
+            "    except RuntimeError as e: assert 'does not run here' in str(e) or 'AVX2' in str(e), e")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        env={**os.environ, "MINISGL_CPU_ISA": cap}, timeout=120)
     assert r.returncode == 0, r.stderr
-    isa, available = r.stdout.split()
+    isa, available, fma = r.stdout.split()
     assert available == str(isa != "none")
+    assert fma == str(isa in ("avx512", "avx512bf16"))   # the FMA body on zmm runs wherever AVX-512 is not capped
     if want is None:   # uncapped: the widest body this CPU has
         assert isa == ("avx512bf16" if "avx512bf16" in ISAS else "avx2" if "avx2" in ISAS else "none")
     elif want == "none" or want in ISAS: assert isa == want
@@ -201,6 +209,7 @@ def test_packed_errors():
     with pytest.raises(RuntimeError, match="bias"): EXT.linear_packed(x, p, 20, torch.randn(7))
     with pytest.raises(RuntimeError, match="pack_linear_weight"): EXT.linear_packed(x, w, 20)
     assert EXT.linear_packed(x[:0], p, 20).shape == (0, 20)
+    with pytest.raises(RuntimeError, match="at most one"): EXT.linear_packed(x, p, 20, None, True, True)
 
 
 # ---------------------------------------------------------------- linear_packed on AMX (csrc/cpu/gemm_amx.cpp)

@@ -21,9 +21,9 @@
 // weights: 10 per layer, in this order (None where a layer has no bias):
 //   input_layernorm.weight, qkv_proj, qkv_proj.bias, o_proj, o_proj.bias,
 //   post_attention_layernorm.weight, gate_up_proj, gate_up_proj.bias, down_proj, down_proj.bias
-// where each projection is its plain bf16 weight [N, K] or its packed tiles (pack_linear_weight). amx: for qkv_proj,
-// o_proj, gate_up_proj, down_proj and the LM head (the same in every layer), whether packed tiles run on AMX
-// (gemm_amx.cpp) rather than on AVX512-BF16 / AVX2 dot products; empty for none.
+// where each projection is its plain bf16 weight [N, K] or its packed tiles (pack_linear_weight). amx, fma: for
+// qkv_proj, o_proj, gate_up_proj, down_proj and the LM head (the same in every layer), whether packed tiles run on
+// AMX (gemm_amx.cpp) or on AVX-512 fp32 FMAs rather than on the default body (gemm_bf16.cpp); empty for none.
 // Returns (x, residual) after the last layer, as the Python loop does; given the final norm's weight and the LM
 // head (plain, or packed with its vocab_size), the step goes on to the logits and returns (logits, residual): fp32 [rows, vocab]
 // holding the bf16 values `lm_head(norm(x, residual)).float()` would give, written by the matmul in one pass.
@@ -106,11 +106,15 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_cpu(
     const at::Tensor& sin, const at::Tensor& positions, const at::Tensor& out_loc, const at::Tensor& page_table,
     const at::Tensor& table_idx, const at::Tensor& seq_lens, int64_t num_q_heads, int64_t num_kv_heads,
     double scale, const std::vector<int64_t>& sliding_windows, const c10::optional<at::Tensor>& final_norm,
-    const c10::optional<at::Tensor>& lm_head, int64_t vocab_size, const std::vector<bool>& amx) {
+    const c10::optional<at::Tensor>& lm_head, int64_t vocab_size, const std::vector<bool>& amx,
+    const std::vector<bool>& fma) {
   const char* fn = "decode_layers";
   TORCH_CHECK(amx.empty() || amx.size() == 5, fn, ": amx must be empty or name 5 projections (qkv, o, gate_up, down, "
               "lm_head), got ", amx.size());
+  TORCH_CHECK(fma.empty() || fma.size() == 5, fn, ": fma must be empty or name 5 projections (qkv, o, gate_up, down, "
+              "lm_head), got ", fma.size());
   auto on_amx = [&](int which) { return !amx.empty() && amx[which]; };
+  auto on_fma = [&](int which) { return !fma.empty() && fma[which]; };
   const size_t L = k_caches.size();
   TORCH_CHECK(L >= 1, fn, ": no layers");
   TORCH_CHECK(weights.size() == kPerLayer * L, fn, ": expected ", kPerLayer, " weights per layer for ", L,
@@ -133,7 +137,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_cpu(
     return *w;
   };
   auto linear = [&](const c10::optional<at::Tensor>& w, const c10::optional<at::Tensor>& b, int64_t rows,
-                    int64_t cols, const char* what, size_t l, bool amx_body) {
+                    int64_t cols, const char* what, size_t l, bool amx_body, bool fma_body) {
     TORCH_CHECK(w.has_value() && w->defined(), fn, ": ", what, " of layer ", l, " is missing");
     TORCH_CHECK(w->device().is_cpu() && w->scalar_type() == at::kBFloat16 && w->is_contiguous(), fn, ": ", what,
                 " of layer ", l, " must be a contiguous bfloat16 CPU tensor, got ", w->scalar_type());
@@ -151,9 +155,9 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_cpu(
                   fn, ": packed ", what, " of layer ", l, " must be pack_linear_weight of a [", rows, ", ", cols,
                   "] weight, got ", w->sizes());
       p.tiles = true;
-      p.tp = make_tiles_plan(*w, rows, bp, nt * kTilesPartsPerThread, amx_body);
+      p.tp = make_tiles_plan(*w, rows, bp, nt * kTilesPartsPerThread, amx_body, fma_body);
     } else {
-      TORCH_CHECK(!amx_body, fn, ": ", what, " runs on AMX, which needs its packed weight");
+      TORCH_CHECK(!amx_body && !fma_body, fn, ": ", what, " runs on AMX or FMAs, which need its packed weight");
       TORCH_CHECK(w->dim() == 2 && w->size(0) == rows && w->size(1) == cols, fn, ": ", what, " of layer ", l,
                   " must have shape [", rows, ", ", cols, "], got ", w->sizes());
       p.gemv = make_gemv_plan(*w, bp, n, true, nt * kGemvPartsPerThread, "");
@@ -178,10 +182,10 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_cpu(
     Layer& ly = layers[l];
     ly.ln1 = &norm_weight(weights[w + 0], "input_layernorm", l);
     ly.ln2 = &norm_weight(weights[w + 5], "post_attention_layernorm", l);
-    ly.qkv = linear(weights[w + 1], weights[w + 2], QKV, H, "qkv_proj", l, on_amx(0));
-    ly.o = linear(weights[w + 3], weights[w + 4], H, Hq * D, "o_proj", l, on_amx(1));
-    ly.gate_up = linear(weights[w + 6], weights[w + 7], I2, H, "gate_up_proj", l, on_amx(2));
-    ly.down = linear(weights[w + 8], weights[w + 9], H, I2 / 2, "down_proj", l, on_amx(3));
+    ly.qkv = linear(weights[w + 1], weights[w + 2], QKV, H, "qkv_proj", l, on_amx(0), on_fma(0));
+    ly.o = linear(weights[w + 3], weights[w + 4], H, Hq * D, "o_proj", l, on_amx(1), on_fma(1));
+    ly.gate_up = linear(weights[w + 6], weights[w + 7], I2, H, "gate_up_proj", l, on_amx(2), on_fma(2));
+    ly.down = linear(weights[w + 8], weights[w + 9], H, I2 / 2, "down_proj", l, on_amx(3), on_fma(3));
     TORCH_CHECK(k_caches[l].dim() == 3 && k_caches[l].size(1) == Hkv && k_caches[l].size(2) == D &&
                     k_caches[l].sizes() == k_caches[0].sizes() && k_caches[l].scalar_type() == at::kBFloat16,
                 fn, ": every layer's caches must be bfloat16 [slots, ", Hkv, ", ", D, "] like layer 0's, got ",
@@ -219,7 +223,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_cpu(
     norm_weight(final_norm, "final_norm", L);
     const int64_t V = lm_head->dim() == 4 ? vocab_size : lm_head->size(0);
     TORCH_CHECK(V >= 1, fn, ": a packed lm_head needs vocab_size");
-    head_plan = linear(lm_head, c10::nullopt, V, H, "lm_head", L, on_amx(4));
+    head_plan = linear(lm_head, c10::nullopt, V, H, "lm_head", L, on_amx(4), on_fma(4));
     logits = at::empty({n, V}, x_in.options().dtype(at::kFloat));
   }
 

@@ -6,11 +6,17 @@
 // 8 rows make it slower than oneDNN. This kernel uses the layout of a register-blocked GEMM:
 //   - W is packed as [N/16][K/2][16][2]: a 64-byte line holds two consecutive k of 16 consecutive outputs, i.e.
 //     16 32-bit words, word n = (W[n, k], W[n, k + 1]);
-//   - two bodies read that one layout, picked once at run time (tiles_isa()):
+//   - three bodies read that one layout; tiles_isa() picks the default once at run time:
 //     avx512bf16: `vdpbf16ps` multiplies a line with a broadcast pair (x[m, k], x[m, k + 1]) and sums the pair
 //       in fp32; a block of MB <= 8 rows of x times NB = 3 lines keeps 24 accumulators in registers (0.46 loads
 //       per dot-product instruction);
-//     avx2 (x86 CPUs with AVX2 and FMA, AVX-512 ones without BF16 included): a bf16 is the top half of an
+//     avx512 (AVX-512 CPUs without BF16; on those with it, `linear_packed(..., fma=True)`): W widened to fp32
+//       in registers, as the avx2 body below does, and multiplied by FMAs on zmm, 8 rows x 3 lines (24
+//       accumulators of 32 registers). Where a CPU has AVX512-BF16, which body is faster depends on the CPU:
+//       on the project's Intel Xeon, `vdpbf16ps` ran at half the rate of fp32 FMAs (a register-only probe,
+//       benchmarks/bench_roofline.py: 247 against 498 GFLOP/s on 2 cores), and this body ran the model's
+//       matmuls 1.2-1.6x faster from 16 rows on. So the kernel plan (chapter 04c) times both ('tiles', 'fma');
+//     avx2 (x86 CPUs with AVX2 and FMA, no AVX-512): a bf16 is the top half of an
 //       fp32, so one 32-byte load of a line's half gives W[n, k] as fp32 by a 16-bit shift left and W[n, k+1]
 //       by clearing its low half (two shifts); each is multiplied with a broadcast fp32 x[m, k] by FMA. A block of 6 rows
 //       of x times one line (2 vectors of 8 outputs) keeps 12 accumulators of the 16 registers; x is widened
@@ -46,10 +52,20 @@ namespace {
 constexpr int kNB = 3;  // blocks of 16 outputs per register tile
 constexpr int kMB = 8;  // rows of x per register tile
 
-enum class TilesIsa { none, avx2, avx512bf16 };
+enum class TilesIsa { none, avx2, avx512, avx512bf16 };
 
-// MINISGL_CPU_ISA=avx512|avx2 caps the body at avx2 (avx512 here means "AVX-512 without BF16", which runs the
-// avx2 body), baseline turns the tiles off, as for the GEMV and the attention.
+bool cpu_has_avx512() {
+#ifdef MINISGL_GEMM_X86
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+#else
+  return false;
+#endif
+}
+
+// MINISGL_CPU_ISA=avx512 caps the body at avx512 ("AVX-512 without BF16": fp32 FMAs on zmm), avx2 at avx2,
+// baseline turns the tiles off, as for the GEMV and the attention.
 TilesIsa tiles_isa() {
 #ifdef MINISGL_GEMM_X86
   static const TilesIsa isa = [] {
@@ -61,6 +77,7 @@ TilesIsa tiles_isa() {
                       __builtin_cpu_supports("avx512bf16");
     if (want == "baseline") return TilesIsa::none;
     if (bf16 && (want.empty() || want == "avx512bf16")) return TilesIsa::avx512bf16;
+    if (cpu_has_avx512() && want != "avx2") return TilesIsa::avx512;
     return avx2 ? TilesIsa::avx2 : TilesIsa::none;
   }();
   return isa;
@@ -131,6 +148,110 @@ MINISGL_TBF16 void blocks(const uint16_t* x, int64_t xs, int64_t M, const uint16
   int64_t nb = nb0;
   for (; nb + kNB <= nb1; nb += kNB) tile_all_rows<kNB>(x, xs, M, wp, K2, bias, y, ys, y_f32, N, nb);
   for (; nb < nb1; ++nb) tile_all_rows<1>(x, xs, M, wp, K2, bias, y, ys, y_f32, N, nb);
+}
+
+// ---------------------------------------------------------------- avx512: W widened to fp32, zmm FMAs
+#define MINISGL_T512F __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")))
+
+constexpr int kMB5 = 8;  // rows of x per zmm register tile: 8 x 3 accumulators + 3 of W + 1 of x (of 32 registers)
+
+// Rows [0, MB) of the fp32 chunk xf (row stride K) times output blocks [nb, nb + NB) (16 outputs each).
+template <int MB, int NB>
+MINISGL_T512F inline void tile_512(const float* xf, int64_t K, const uint16_t* wp, int64_t K2, const float* bias,
+                                   void* y, int64_t ys, bool y_f32, int64_t N, int64_t nb) {
+  __m512 acc[MB][NB];
+#pragma GCC unroll 8
+  for (int m = 0; m < MB; ++m)
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
+  const uint16_t* w0 = wp + nb * K2 * 32;
+  const __m512i hi_mask = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  for (int64_t kp = 0; kp < K2; ++kp) {
+    __m512i line[NB];
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) line[j] = _mm512_loadu_si512(w0 + (j * K2 + kp) * 32);
+    __m512 w[NB];
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) w[j] = _mm512_castsi512_ps(_mm512_slli_epi32(line[j], 16));   // W[n, k]
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) {
+      const __m512 xv = _mm512_set1_ps(xf[m * K + 2 * kp]);
+#pragma GCC unroll 4
+      for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_fmadd_ps(xv, w[j], acc[m][j]);
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) w[j] = _mm512_castsi512_ps(_mm512_and_si512(line[j], hi_mask));   // W[n, k + 1]
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) {
+      const __m512 xv = _mm512_set1_ps(xf[m * K + 2 * kp + 1]);
+#pragma GCC unroll 4
+      for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_fmadd_ps(xv, w[j], acc[m][j]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int j = 0; j < NB; ++j) {
+    const int64_t n0 = (nb + j) * 16;
+    const int64_t valid = std::min<int64_t>(16, N - n0);
+    if (valid <= 0) break;
+    const __mmask16 mk = valid == 16 ? (__mmask16)0xffff : (__mmask16)((1u << valid) - 1u);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mk, bias + n0) : _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) {
+      const __m512i u = _mm512_castps_si512(_mm512_add_ps(acc[m][j], b));
+      // round to nearest even (NaN: a quiet NaN), as torch rounds
+      const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+      __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+      const __mmask16 nan = _mm512_cmp_ps_mask(_mm512_castsi512_ps(u), _mm512_castsi512_ps(u), _CMP_UNORD_Q);
+      r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
+      if (y_f32) _mm512_mask_storeu_ps(static_cast<float*>(y) + m * ys + n0, mk, _mm512_castsi512_ps(_mm512_slli_epi32(r, 16)));
+      else _mm256_mask_storeu_epi16(static_cast<uint16_t*>(y) + m * ys + n0, mk, _mm512_cvtepi32_epi16(r));
+    }
+  }
+}
+
+template <int NB>
+MINISGL_T512F void tile_512_rows(const float* xf, int64_t K, int64_t rows, const uint16_t* wp, int64_t K2,
+                                 const float* bias, char* yc, int64_t ys, size_t esz, bool y_f32, int64_t N, int64_t nb) {
+  int64_t m = 0;
+  for (; m + kMB5 <= rows; m += kMB5)
+    tile_512<kMB5, NB>(xf + m * K, K, wp, K2, bias, yc + m * ys * esz, ys, y_f32, N, nb);
+  switch (rows - m) {
+    case 1: tile_512<1, NB>(xf + m * K, K, wp, K2, bias, yc + m * ys * esz, ys, y_f32, N, nb); break;
+    case 2: tile_512<2, NB>(xf + m * K, K, wp, K2, bias, yc + m * ys * esz, ys, y_f32, N, nb); break;
+    case 3: tile_512<3, NB>(xf + m * K, K, wp, K2, bias, yc + m * ys * esz, ys, y_f32, N, nb); break;
+    case 4: tile_512<4, NB>(xf + m * K, K, wp, K2, bias, yc + m * ys * esz, ys, y_f32, N, nb); break;
+    case 5: tile_512<5, NB>(xf + m * K, K, wp, K2, bias, yc + m * ys * esz, ys, y_f32, N, nb); break;
+    case 6: tile_512<6, NB>(xf + m * K, K, wp, K2, bias, yc + m * ys * esz, ys, y_f32, N, nb); break;
+    case 7: tile_512<7, NB>(xf + m * K, K, wp, K2, bias, yc + m * ys * esz, ys, y_f32, N, nb); break;
+    default: break;
+  }
+}
+
+// Output blocks [nb0, nb1) for all M rows: rows in chunks of 256 KB of fp32 (widened once per chunk), then for
+// each tile of kNB blocks, the chunk's rows kMB5 at a time.
+MINISGL_T512F void blocks_512(const uint16_t* x, int64_t xs, int64_t M, const uint16_t* wp, int64_t K2,
+                              const float* bias, void* y0, int64_t ys, bool y_f32, int64_t N, int64_t nb0, int64_t nb1) {
+  const int64_t K = 2 * K2;
+  const int64_t chunk = std::max<int64_t>(kMB5, (256 << 10) / (4 * K) / kMB5 * kMB5);
+  thread_local std::vector<float> buf;
+  buf.resize(static_cast<size_t>(std::min(chunk, M) * K));
+  const size_t esz = y_f32 ? sizeof(float) : sizeof(uint16_t);
+  for (int64_t c0 = 0; c0 < M; c0 += chunk) {
+    const int64_t rows = std::min(chunk, M - c0);
+    for (int64_t m = 0; m < rows; ++m) {  // widen the chunk's rows of x: bf16 -> fp32 by a shift
+      const uint16_t* src = x + (c0 + m) * xs;
+      float* dst = buf.data() + m * K;
+      int64_t k = 0;
+      for (; k + 16 <= K; k += 16)
+        _mm512_storeu_ps(dst + k, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + k))), 16)));
+      for (; k < K; ++k) dst[k] = __builtin_bit_cast(float, uint32_t(src[k]) << 16);
+    }
+    char* yc = static_cast<char*>(y0) + c0 * ys * esz;
+    int64_t nb = nb0;
+    for (; nb + kNB <= nb1; nb += kNB) tile_512_rows<kNB>(buf.data(), K, rows, wp, K2, bias, yc, ys, esz, y_f32, N, nb);
+    for (; nb < nb1; ++nb) tile_512_rows<1>(buf.data(), K, rows, wp, K2, bias, yc, ys, esz, y_f32, N, nb);
+  }
 }
 
 // ---------------------------------------------------------------- avx2: W widened to fp32 in registers
@@ -252,11 +373,15 @@ MINISGL_T256 void blocks_256(const uint16_t* x, int64_t xs, int64_t M, const uin
 
 }  // namespace
 
-TilesPlan make_tiles_plan(const at::Tensor& packed, int64_t N, const float* bias, int64_t parts, bool amx) {
+TilesPlan make_tiles_plan(const at::Tensor& packed, int64_t N, const float* bias, int64_t parts, bool amx, bool fma) {
+  TORCH_CHECK(!(amx && fma), "linear_packed: amx and fma name two bodies; give at most one");
   TORCH_CHECK(!amx || amx_available(), "linear_packed: AMX does not run here (amx_available() is false)");
+  TORCH_CHECK(!fma || linear_fma_available(), "linear_packed: the AVX-512 FMA body does not run here "
+              "(linear_fma_available() is false)");
   TORCH_CHECK(!amx || packed.size(1) % 16 == 0, "linear_packed: AMX needs K a multiple of 32, got K=", 2 * packed.size(1));
   TilesPlan p;
   p.amx = amx;
+  p.fma = fma;
   p.wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   p.bias = bias;
   p.N = N;
@@ -278,6 +403,8 @@ void run_tiles_part(const TilesPlan& p, const void* x, int64_t xs, int64_t M, vo
   const bool y_f32 = yf == YFormat::f32_bf16_rounded;
   if (p.amx)
     run_amx_part(p, static_cast<const uint16_t*>(x), xs, M, y, ys, y_f32, nb0, nb1);
+  else if (p.fma || tiles_isa() == TilesIsa::avx512)
+    blocks_512(static_cast<const uint16_t*>(x), xs, M, p.wp, p.K2, p.bias, y, ys, y_f32, p.N, nb0, nb1);
   else if (tiles_isa() == TilesIsa::avx512bf16)
     blocks(static_cast<const uint16_t*>(x), xs, M, p.wp, p.K2, p.bias, y, ys, y_f32, p.N, nb0, nb1);
   else
@@ -291,9 +418,15 @@ bool linear_packed_available() { return cpu::tiles_isa() != cpu::TilesIsa::none;
 
 bool linear_amx_available() { return linear_packed_available() && cpu::amx_available(); }
 
+bool linear_fma_available() {
+  const auto isa = cpu::tiles_isa();
+  return (isa == cpu::TilesIsa::avx512bf16 || isa == cpu::TilesIsa::avx512) && cpu::cpu_has_avx512();
+}
+
 std::string linear_packed_isa() {
   switch (cpu::tiles_isa()) {
     case cpu::TilesIsa::avx512bf16: return "avx512bf16";
+    case cpu::TilesIsa::avx512: return "avx512";
     case cpu::TilesIsa::avx2: return "avx2";
     default: return "none";
   }
@@ -313,7 +446,7 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
 }
 
 at::Tensor linear_packed(const at::Tensor& x_in, const at::Tensor& packed, int64_t N,
-                         const c10::optional<at::Tensor>& bias, bool amx) {
+                         const c10::optional<at::Tensor>& bias, bool amx, bool fma) {
   using namespace cpu;
   TORCH_CHECK(linear_packed_available(), "linear_packed: needs a CPU with AVX2 and FMA (use linear_gemv or torch)");
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16 && x_in.device().is_cpu(),
@@ -334,7 +467,8 @@ at::Tensor linear_packed(const at::Tensor& x_in, const at::Tensor& packed, int64
   auto out = at::empty({M, N}, x_in.options());
   if (M == 0 || N == 0) return out;
   const auto x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
-  const TilesPlan p = make_tiles_plan(packed, N, b.defined() ? b.data_ptr<float>() : nullptr, at::get_num_threads(), amx);
+  const TilesPlan p =
+      make_tiles_plan(packed, N, b.defined() ? b.data_ptr<float>() : nullptr, at::get_num_threads(), amx, fma);
   at::parallel_for(0, p.parts, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t t = p0; t < p1; ++t) run_tiles_part(p, x.data_ptr(), x.stride(0), M, out.data_ptr(), N, YFormat::bf16, t);
     if (amx) release_amx();
