@@ -202,7 +202,8 @@ def prefill_matmuls(rows: int, reps: int) -> dict:
     flops = {f"{n}x{k}": 2 * rows * n * k * count[n, k] for n, k in layer}
     s, total = statistics.median(ts), sum(flops.values())
     return dict(rows=rows, seconds=s, flops=total, gflops=total / s / 1e9, weight_bytes=total // rows,
-                flops_by_shape=flops, kernels={f"{n}x{k}": pick[n, k] for n, k in layer})
+                flops_by_shape=flops, kernels={f"{n}x{k}": pick[n, k] for n, k in layer},
+                one_row={f"{n}x{k}": (plan.choices[n, k][0][1], 2 * n * k * specs[n, k].count) for n, k in specs})
 
 
 def peak_of(kernel: str, info: dict, peak: dict) -> str:
@@ -210,6 +211,8 @@ def peak_of(kernel: str, info: dict, peak: dict) -> str:
     amx = "amx" in peak and not info["caps"]["ONEDNN_MAX_CPU_ISA"] and not info["caps"]["MINISGL_CPU_ISA"]
     if kernel == "amx": return "amx"
     if kernel == "fma": return "fma512"
+    if kernel == "gemv": return "dpbf16" if "dpbf16" in peak and info["tiles"] == "avx512bf16" else (
+        "fma512" if "fma512" in peak else "fma256")
     if kernel == "tiles": return {"avx512bf16": "dpbf16", "avx512": "fma512"}.get(info["tiles"], "fma256")
     if amx: return "amx"                                    # oneDNN (and torch through it) run AMX where they may
     return "dpbf16" if "dpbf16" in peak else "fma512" if "fma512" in peak else "fma256"
@@ -258,7 +261,7 @@ def main():
 
     kernels = set(pre["kernels"].values())
     limits = sorted({peak_of(k, info, peak) for k in kernels})
-    decode_limit = peak_of("tiles", info, peak)
+    one_row = {peak_of(k, info, peak) for k, _ in pre["one_row"].values()}   # the decode step's kernels
     print(f"\npeak multiply-add rates (all {info['threads']} threads): " +
           ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in peak.items()))
     print("memory read bandwidth: " + ", ".join(f"{k} {v:.1f} GB/s" for k, v in mem.items()))
@@ -269,8 +272,9 @@ def main():
         (f"{args.rows}-row prefill: the 120 layer matmuls ({', '.join(sorted(kernels))}; {', '.join(limits)})",
          pre["seconds"], sum(f / peak[peak_of(pre["kernels"][s], info, peak)] for s, f in pre["flops_by_shape"].items()) / 1e9,
          pre["weight_bytes"] / bw / 1e9),
-        (f"single-request decode: one token ({dec['weight_mb']:.0f} MB of weights; {decode_limit})", 1 / dec["tok_s"],
-         dec["weight_mb"] * 1e6 / peak[decode_limit] / 1e9, dec["weight_mb"] / 1e3 / bw),   # 2 flops per 2-byte weight
+        (f"single-request decode: one token ({dec['weight_mb']:.0f} MB of weights; {', '.join(sorted(one_row))})",
+         1 / dec["tok_s"], sum(f / peak[peak_of(k, info, peak)] for k, f in pre["one_row"].values()) / 1e9,
+         dec["weight_mb"] / 1e3 / bw),
     ]
     print(f"\n| what | achieved | compute bound | memory bound ({bw:.1f} GB/s) | achieved / larger bound |")
     print("|---|---:|---:|---:|---:|")
