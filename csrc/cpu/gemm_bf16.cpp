@@ -150,6 +150,23 @@ MINISGL_TBF16 void blocks(const uint16_t* x, int64_t xs, int64_t M, const uint16
   for (; nb < nb1; ++nb) tile_all_rows<1>(x, xs, M, wp, K2, bias, y, ys, y_f32, N, nb);
 }
 
+// ---------------------------------------------------------------- x widened to fp32, for the widening bodies
+// Rows [0, rows) of x (bf16, row stride xs) into dst (fp32, row stride K): a bf16 is the top half of an fp32.
+__attribute__((target("avx2,fma"))) void widen_rows(const uint16_t* x, int64_t xs, int64_t rows, int64_t K,
+                                                    float* dst) {
+  for (int64_t m = 0; m < rows; ++m, dst += K) {
+    const uint16_t* src = x + m * xs;
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8)
+      _mm256_storeu_ps(dst + k, _mm256_castsi256_ps(_mm256_slli_epi32(
+                                    _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k))), 16)));
+    for (; k < K; ++k) dst[k] = __builtin_bit_cast(float, uint32_t(src[k]) << 16);
+  }
+}
+
+// Rows of x per chunk, a multiple of a register tile's `mb` rows: 256 KB of fp32 (half of a common L2).
+inline int64_t chunk_rows(int64_t K, int64_t mb) { return std::max<int64_t>(mb, (256 << 10) / (4 * K) / mb * mb); }
+
 // ---------------------------------------------------------------- avx512: W widened to fp32, zmm FMAs
 #define MINISGL_T512F __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")))
 
@@ -231,22 +248,13 @@ MINISGL_T512F void tile_512_rows(const float* xf, int64_t K, int64_t rows, const
 // each tile of kNB blocks, the chunk's rows kMB5 at a time.
 MINISGL_T512F void blocks_512(const uint16_t* x, int64_t xs, int64_t M, const uint16_t* wp, int64_t K2,
                               const float* bias, void* y0, int64_t ys, bool y_f32, int64_t N, int64_t nb0, int64_t nb1) {
-  const int64_t K = 2 * K2;
-  const int64_t chunk = std::max<int64_t>(kMB5, (256 << 10) / (4 * K) / kMB5 * kMB5);
+  const int64_t K = 2 * K2, chunk = chunk_rows(K, kMB5);
   thread_local std::vector<float> buf;
   buf.resize(static_cast<size_t>(std::min(chunk, M) * K));
   const size_t esz = y_f32 ? sizeof(float) : sizeof(uint16_t);
   for (int64_t c0 = 0; c0 < M; c0 += chunk) {
     const int64_t rows = std::min(chunk, M - c0);
-    for (int64_t m = 0; m < rows; ++m) {  // widen the chunk's rows of x: bf16 -> fp32 by a shift
-      const uint16_t* src = x + (c0 + m) * xs;
-      float* dst = buf.data() + m * K;
-      int64_t k = 0;
-      for (; k + 16 <= K; k += 16)
-        _mm512_storeu_ps(dst + k, _mm512_castsi512_ps(_mm512_slli_epi32(
-                                      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + k))), 16)));
-      for (; k < K; ++k) dst[k] = __builtin_bit_cast(float, uint32_t(src[k]) << 16);
-    }
+    widen_rows(x + c0 * xs, xs, rows, K, buf.data());
     char* yc = static_cast<char*>(y0) + c0 * ys * esz;
     int64_t nb = nb0;
     for (; nb + kNB <= nb1; nb += kNB) tile_512_rows<kNB>(buf.data(), K, rows, wp, K2, bias, yc, ys, esz, y_f32, N, nb);
@@ -337,22 +345,13 @@ MINISGL_T256 inline void tile_256(const float* xf, int64_t K, const uint16_t* wp
 // each block, the chunk's rows kMB2 at a time (the block's W, K x 32 bytes, stays in L1, or L2 past K ~ 1000).
 MINISGL_T256 void blocks_256(const uint16_t* x, int64_t xs, int64_t M, const uint16_t* wp, int64_t K2,
                              const float* bias, void* y0, int64_t ys, bool y_f32, int64_t N, int64_t nb0, int64_t nb1) {
-  const int64_t K = 2 * K2;
-  const int64_t chunk = std::max<int64_t>(kMB2, (256 << 10) / (4 * K) / kMB2 * kMB2);
+  const int64_t K = 2 * K2, chunk = chunk_rows(K, kMB2);
   thread_local std::vector<float> buf;
   buf.resize(static_cast<size_t>(std::min(chunk, M) * K));
   const size_t esz = y_f32 ? sizeof(float) : sizeof(uint16_t);
   for (int64_t c0 = 0; c0 < M; c0 += chunk) {
     const int64_t rows = std::min(chunk, M - c0);
-    for (int64_t m = 0; m < rows; ++m) {  // widen the chunk's rows of x: bf16 -> fp32 by a shift
-      const uint16_t* src = x + (c0 + m) * xs;
-      float* dst = buf.data() + m * K;
-      int64_t k = 0;
-      for (; k + 8 <= K; k += 8)
-        _mm256_storeu_ps(dst + k, _mm256_castsi256_ps(_mm256_slli_epi32(
-                                      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k))), 16)));
-      for (; k < K; ++k) dst[k] = __builtin_bit_cast(float, uint32_t(src[k]) << 16);
-    }
+    widen_rows(x + c0 * xs, xs, rows, K, buf.data());
     char* yc = static_cast<char*>(y0) + c0 * ys * esz;
     for (int64_t nb = nb0; nb < nb1; ++nb) {
       int64_t m = 0;
