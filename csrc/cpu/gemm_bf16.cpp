@@ -164,8 +164,21 @@ __attribute__((target("avx2,fma"))) void widen_rows(const uint16_t* x, int64_t x
   }
 }
 
-// Rows of x per chunk, a multiple of a register tile's `mb` rows: 256 KB of fp32 (half of a common L2).
-inline int64_t chunk_rows(int64_t K, int64_t mb) { return std::max<int64_t>(mb, (256 << 10) / (4 * K) / mb * mb); }
+// x in chunks of rows (256 KB of fp32, half of a common L2; a multiple of a register tile's `mb` rows), each
+// widened once into this thread's buffer: body(xf, rows, yc) with xf the chunk's fp32 rows (stride K) and yc
+// the chunk's first row of y.
+template <typename Body>
+void for_widened_chunks(const uint16_t* x, int64_t xs, int64_t M, int64_t K, int64_t mb, void* y0, int64_t ys,
+                        size_t esz, Body&& body) {
+  const int64_t chunk = std::max<int64_t>(mb, (256 << 10) / (4 * K) / mb * mb);
+  thread_local std::vector<float> buf;
+  buf.resize(static_cast<size_t>(std::min(chunk, M) * K));
+  for (int64_t c0 = 0; c0 < M; c0 += chunk) {
+    const int64_t rows = std::min(chunk, M - c0);
+    widen_rows(x + c0 * xs, xs, rows, K, buf.data());
+    body(buf.data(), rows, static_cast<char*>(y0) + c0 * ys * esz);
+  }
+}
 
 // ---------------------------------------------------------------- avx512: W widened to fp32, zmm FMAs
 #define MINISGL_T512F __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")))
@@ -248,18 +261,13 @@ MINISGL_T512F void tile_512_rows(const float* xf, int64_t K, int64_t rows, const
 // each tile of kNB blocks, the chunk's rows kMB5 at a time.
 MINISGL_T512F void blocks_512(const uint16_t* x, int64_t xs, int64_t M, const uint16_t* wp, int64_t K2,
                               const float* bias, void* y0, int64_t ys, bool y_f32, int64_t N, int64_t nb0, int64_t nb1) {
-  const int64_t K = 2 * K2, chunk = chunk_rows(K, kMB5);
-  thread_local std::vector<float> buf;
-  buf.resize(static_cast<size_t>(std::min(chunk, M) * K));
+  const int64_t K = 2 * K2;
   const size_t esz = y_f32 ? sizeof(float) : sizeof(uint16_t);
-  for (int64_t c0 = 0; c0 < M; c0 += chunk) {
-    const int64_t rows = std::min(chunk, M - c0);
-    widen_rows(x + c0 * xs, xs, rows, K, buf.data());
-    char* yc = static_cast<char*>(y0) + c0 * ys * esz;
+  for_widened_chunks(x, xs, M, K, kMB5, y0, ys, esz, [&](const float* xf, int64_t rows, char* yc) {
     int64_t nb = nb0;
-    for (; nb + kNB <= nb1; nb += kNB) tile_512_rows<kNB>(buf.data(), K, rows, wp, K2, bias, yc, ys, esz, y_f32, N, nb);
-    for (; nb < nb1; ++nb) tile_512_rows<1>(buf.data(), K, rows, wp, K2, bias, yc, ys, esz, y_f32, N, nb);
-  }
+    for (; nb + kNB <= nb1; nb += kNB) tile_512_rows<kNB>(xf, K, rows, wp, K2, bias, yc, ys, esz, y_f32, N, nb);
+    for (; nb < nb1; ++nb) tile_512_rows<1>(xf, K, rows, wp, K2, bias, yc, ys, esz, y_f32, N, nb);
+  });
 }
 
 // ---------------------------------------------------------------- avx2: W widened to fp32 in registers
@@ -341,32 +349,30 @@ MINISGL_T256 inline void tile_256(const float* xf, int64_t K, const uint16_t* wp
   for (int m = 0; m < MB; ++m) store8(hi[m], b1, static_cast<char*>(y) + (m * ys + n0 + 8) * esz, y_f32, v1);
 }
 
+// One output block for a chunk's fp32 rows xf (stride K), kMB2 rows at a time.
+MINISGL_T256 void tile_256_rows(const float* xf, int64_t K, int64_t rows, const uint16_t* wp, int64_t K2,
+                                const float* bias, char* yc, int64_t ys, size_t esz, bool y_f32, int64_t N, int64_t nb) {
+  int64_t m = 0;
+  for (; m + kMB2 <= rows; m += kMB2) tile_256<kMB2>(xf + m * K, K, wp, K2, bias, yc + m * ys * esz, ys, y_f32, N, nb);
+  switch (rows - m) {
+    case 1: tile_256<1>(xf + m * K, K, wp, K2, bias, yc + m * ys * esz, ys, y_f32, N, nb); break;
+    case 2: tile_256<2>(xf + m * K, K, wp, K2, bias, yc + m * ys * esz, ys, y_f32, N, nb); break;
+    case 3: tile_256<3>(xf + m * K, K, wp, K2, bias, yc + m * ys * esz, ys, y_f32, N, nb); break;
+    case 4: tile_256<4>(xf + m * K, K, wp, K2, bias, yc + m * ys * esz, ys, y_f32, N, nb); break;
+    case 5: tile_256<5>(xf + m * K, K, wp, K2, bias, yc + m * ys * esz, ys, y_f32, N, nb); break;
+    default: break;
+  }
+}
+
 // Output blocks [nb0, nb1) for all M rows: rows in chunks of 256 KB of fp32 (widened once per chunk), then for
 // each block, the chunk's rows kMB2 at a time (the block's W, K x 32 bytes, stays in L1, or L2 past K ~ 1000).
 MINISGL_T256 void blocks_256(const uint16_t* x, int64_t xs, int64_t M, const uint16_t* wp, int64_t K2,
                              const float* bias, void* y0, int64_t ys, bool y_f32, int64_t N, int64_t nb0, int64_t nb1) {
-  const int64_t K = 2 * K2, chunk = chunk_rows(K, kMB2);
-  thread_local std::vector<float> buf;
-  buf.resize(static_cast<size_t>(std::min(chunk, M) * K));
+  const int64_t K = 2 * K2;
   const size_t esz = y_f32 ? sizeof(float) : sizeof(uint16_t);
-  for (int64_t c0 = 0; c0 < M; c0 += chunk) {
-    const int64_t rows = std::min(chunk, M - c0);
-    widen_rows(x + c0 * xs, xs, rows, K, buf.data());
-    char* yc = static_cast<char*>(y0) + c0 * ys * esz;
-    for (int64_t nb = nb0; nb < nb1; ++nb) {
-      int64_t m = 0;
-      for (; m + kMB2 <= rows; m += kMB2)
-        tile_256<kMB2>(buf.data() + m * K, K, wp, K2, bias, yc + m * ys * esz, ys, y_f32, N, nb);
-      switch (rows - m) {
-        case 1: tile_256<1>(buf.data() + m * K, K, wp, K2, bias, yc + m * ys * esz, ys, y_f32, N, nb); break;
-        case 2: tile_256<2>(buf.data() + m * K, K, wp, K2, bias, yc + m * ys * esz, ys, y_f32, N, nb); break;
-        case 3: tile_256<3>(buf.data() + m * K, K, wp, K2, bias, yc + m * ys * esz, ys, y_f32, N, nb); break;
-        case 4: tile_256<4>(buf.data() + m * K, K, wp, K2, bias, yc + m * ys * esz, ys, y_f32, N, nb); break;
-        case 5: tile_256<5>(buf.data() + m * K, K, wp, K2, bias, yc + m * ys * esz, ys, y_f32, N, nb); break;
-        default: break;
-      }
-    }
-  }
+  for_widened_chunks(x, xs, M, K, kMB2, y0, ys, esz, [&](const float* xf, int64_t rows, char* yc) {
+    for (int64_t nb = nb0; nb < nb1; ++nb) tile_256_rows(xf, K, rows, wp, K2, bias, yc, ys, esz, y_f32, N, nb);
+  });
 }
 #endif
 
