@@ -44,18 +44,20 @@ PROBE = r"""
 #include <chrono>
 #include <cmath>
 
+volatile float sink;   // the chains' sums end here, so that the compiler keeps them
+
 // Seconds the slowest thread took to run body(iters); every thread runs it once.
 template <typename Body>
 double timed(int64_t iters, Body body) {
   double worst = 0.0;
-  float sink = 0.f;
-#pragma omp parallel reduction(max : worst) reduction(+ : sink)
+#pragma omp parallel reduction(max : worst)
   {
     const auto t0 = std::chrono::steady_clock::now();
-    sink += body(iters);
+    const float s = body(iters);
     worst = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    sink = s;
   }
-  return sink == 12345.f ? -worst : worst;   // keeps the sums alive
+  return worst;
 }
 
 #define CHAINS 12
@@ -130,7 +132,7 @@ __attribute__((target("amx-tile,amx-bf16"))) float amx_body(int64_t iters) {
 template <typename Body>
 double rate(Body body, double flops_per_iter, int64_t iters, int reps) {
   double best = 1e30;
-  for (int r = 0; r < reps; ++r) best = std::min(best, std::abs(timed(iters, body)));
+  for (int r = 0; r < reps; ++r) best = std::min(best, timed(iters, body));
   return flops_per_iter * iters * omp_get_max_threads() / best / 1e9;
 }
 
