@@ -33,6 +33,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "../ops.h"
@@ -51,6 +52,24 @@ namespace {
 
 constexpr int kNB = 3;  // blocks of 16 outputs per register tile
 constexpr int kMB = 8;  // rows of x per register tile
+
+// The bodies take a register tile's row count as a template argument, so that their accumulators stay in
+// registers: for_row_tiles<MB>(M, tile) calls tile(m, rows) for rows [0, M) in tiles of MB rows, the last one
+// smaller, with `rows` a std::integral_constant.
+template <int R, typename Tile>
+inline void last_row_tile(int64_t rest, int64_t m, Tile& tile) {
+  if constexpr (R > 0) {
+    if (rest == R) tile(m, std::integral_constant<int, R>{});
+    else last_row_tile<R - 1>(rest, m, tile);
+  }
+}
+
+template <int MB, typename Tile>
+inline void for_row_tiles(int64_t M, Tile&& tile) {
+  int64_t m = 0;
+  for (; m + MB <= M; m += MB) tile(m, std::integral_constant<int, MB>{});
+  last_row_tile<MB - 1>(M - m, m, tile);
+}
 
 enum class TilesIsa { none, avx2, avx512, avx512bf16 };
 
@@ -126,21 +145,10 @@ MINISGL_TBF16 inline void tile(const uint16_t* x, int64_t xs, const uint16_t* wp
 template <int NB>
 MINISGL_TBF16 void tile_all_rows(const uint16_t* x, int64_t xs, int64_t M, const uint16_t* wp, int64_t K2,
                                  const float* bias, void* y0, int64_t ys, bool y_f32, int64_t N, int64_t nb) {
-  int64_t m0 = 0;
-  auto yrow = [&](int64_t m) -> void* {
-    return y_f32 ? static_cast<void*>(static_cast<float*>(y0) + m * ys) : static_cast<void*>(static_cast<uint16_t*>(y0) + m * ys);
-  };
-  for (; m0 + kMB <= M; m0 += kMB) tile<kMB, NB>(x + m0 * xs, xs, wp, K2, bias, yrow(m0), ys, y_f32, N, nb);
-  switch (M - m0) {
-    case 1: tile<1, NB>(x + m0 * xs, xs, wp, K2, bias, yrow(m0), ys, y_f32, N, nb); break;
-    case 2: tile<2, NB>(x + m0 * xs, xs, wp, K2, bias, yrow(m0), ys, y_f32, N, nb); break;
-    case 3: tile<3, NB>(x + m0 * xs, xs, wp, K2, bias, yrow(m0), ys, y_f32, N, nb); break;
-    case 4: tile<4, NB>(x + m0 * xs, xs, wp, K2, bias, yrow(m0), ys, y_f32, N, nb); break;
-    case 5: tile<5, NB>(x + m0 * xs, xs, wp, K2, bias, yrow(m0), ys, y_f32, N, nb); break;
-    case 6: tile<6, NB>(x + m0 * xs, xs, wp, K2, bias, yrow(m0), ys, y_f32, N, nb); break;
-    case 7: tile<7, NB>(x + m0 * xs, xs, wp, K2, bias, yrow(m0), ys, y_f32, N, nb); break;
-    default: break;
-  }
+  const size_t esz = y_f32 ? sizeof(float) : sizeof(uint16_t);
+  for_row_tiles<kMB>(M, [&](int64_t m, auto rows) {
+    tile<decltype(rows)::value, NB>(x + m * xs, xs, wp, K2, bias, static_cast<char*>(y0) + m * ys * esz, ys, y_f32, N, nb);
+  });
 }
 
 MINISGL_TBF16 void blocks(const uint16_t* x, int64_t xs, int64_t M, const uint16_t* wp, int64_t K2, const float* bias,
@@ -242,19 +250,9 @@ MINISGL_T512F inline void tile_512(const float* xf, int64_t K, const uint16_t* w
 template <int NB>
 MINISGL_T512F void tile_512_rows(const float* xf, int64_t K, int64_t rows, const uint16_t* wp, int64_t K2,
                                  const float* bias, char* yc, int64_t ys, size_t esz, bool y_f32, int64_t N, int64_t nb) {
-  int64_t m = 0;
-  for (; m + kMB5 <= rows; m += kMB5)
-    tile_512<kMB5, NB>(xf + m * K, K, wp, K2, bias, yc + m * ys * esz, ys, y_f32, N, nb);
-  switch (rows - m) {
-    case 1: tile_512<1, NB>(xf + m * K, K, wp, K2, bias, yc + m * ys * esz, ys, y_f32, N, nb); break;
-    case 2: tile_512<2, NB>(xf + m * K, K, wp, K2, bias, yc + m * ys * esz, ys, y_f32, N, nb); break;
-    case 3: tile_512<3, NB>(xf + m * K, K, wp, K2, bias, yc + m * ys * esz, ys, y_f32, N, nb); break;
-    case 4: tile_512<4, NB>(xf + m * K, K, wp, K2, bias, yc + m * ys * esz, ys, y_f32, N, nb); break;
-    case 5: tile_512<5, NB>(xf + m * K, K, wp, K2, bias, yc + m * ys * esz, ys, y_f32, N, nb); break;
-    case 6: tile_512<6, NB>(xf + m * K, K, wp, K2, bias, yc + m * ys * esz, ys, y_f32, N, nb); break;
-    case 7: tile_512<7, NB>(xf + m * K, K, wp, K2, bias, yc + m * ys * esz, ys, y_f32, N, nb); break;
-    default: break;
-  }
+  for_row_tiles<kMB5>(rows, [&](int64_t m, auto mb) {
+    tile_512<decltype(mb)::value, NB>(xf + m * K, K, wp, K2, bias, yc + m * ys * esz, ys, y_f32, N, nb);
+  });
 }
 
 // Output blocks [nb0, nb1) for all M rows: rows in chunks of 256 KB of fp32 (widened once per chunk), then for
@@ -352,16 +350,9 @@ MINISGL_T256 inline void tile_256(const float* xf, int64_t K, const uint16_t* wp
 // One output block for a chunk's fp32 rows xf (stride K), kMB2 rows at a time.
 MINISGL_T256 void tile_256_rows(const float* xf, int64_t K, int64_t rows, const uint16_t* wp, int64_t K2,
                                 const float* bias, char* yc, int64_t ys, size_t esz, bool y_f32, int64_t N, int64_t nb) {
-  int64_t m = 0;
-  for (; m + kMB2 <= rows; m += kMB2) tile_256<kMB2>(xf + m * K, K, wp, K2, bias, yc + m * ys * esz, ys, y_f32, N, nb);
-  switch (rows - m) {
-    case 1: tile_256<1>(xf + m * K, K, wp, K2, bias, yc + m * ys * esz, ys, y_f32, N, nb); break;
-    case 2: tile_256<2>(xf + m * K, K, wp, K2, bias, yc + m * ys * esz, ys, y_f32, N, nb); break;
-    case 3: tile_256<3>(xf + m * K, K, wp, K2, bias, yc + m * ys * esz, ys, y_f32, N, nb); break;
-    case 4: tile_256<4>(xf + m * K, K, wp, K2, bias, yc + m * ys * esz, ys, y_f32, N, nb); break;
-    case 5: tile_256<5>(xf + m * K, K, wp, K2, bias, yc + m * ys * esz, ys, y_f32, N, nb); break;
-    default: break;
-  }
+  for_row_tiles<kMB2>(rows, [&](int64_t m, auto mb) {
+    tile_256<decltype(mb)::value>(xf + m * K, K, wp, K2, bias, yc + m * ys * esz, ys, y_f32, N, nb);
+  });
 }
 
 // Output blocks [nb0, nb1) for all M rows: rows in chunks of 256 KB of fp32 (widened once per chunk), then for
