@@ -27,13 +27,15 @@ from torch import Tensor
 
 from .kernels import native
 
+logger = logging.getLogger('minisgl.linear')
+
 # %% auto #0
-__all__ = ['GEMV_MAX_ROWS', 'KERNELS', 'LAYOUT', 'ROW_BUCKETS', 'GEMV_PLAN_MAX_ROWS', 'PLAN_FORMAT', 'logger', 'NATIVE_KERNELS',
+__all__ = ['logger', 'GEMV_MAX_ROWS', 'KERNELS', 'LAYOUT', 'ROW_BUCKETS', 'GEMV_PLAN_MAX_ROWS', 'PLAN_FORMAT', 'NATIVE_KERNELS',
            'linear_ref', 'gemv_available', 'linear', 'amx_available', 'onednn_bf16_available', 'kernel_runs',
            'pack_weight', 'run_linear', 'cpu_signature', 'measure_linear', 'LinearSpec', 'measure_step',
-           'choose_kernels', 'KernelPlan', 'measure_plan', 'forced_plan', 'plan_cache_dir', 'plan_cache_file',
-           'kernel_plan', 'PackedLinear', 'can_pack_linears', 'linear_specs', 'pack_linears', 'module_tensors',
-           'to_huge_pages']
+           'suspect_timings', 'choose_kernels', 'KernelPlan', 'measure_plan', 'forced_plan', 'plan_cache_dir',
+           'plan_cache_file', 'kernel_plan', 'PackedLinear', 'can_pack_linears', 'linear_specs', 'pack_linears',
+           'module_tensors', 'to_huge_pages']
 
 # %% ../nbs/04c_linear.ipynb #b05d00f6
 def linear_ref(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -131,7 +133,7 @@ def run_linear(kernel: str, x: Tensor, w: Tensor, out_features: int, bias: Tenso
     raise ValueError(f'kernel must be one of {KERNELS}, got {kernel!r}')
 
 # %% ../nbs/04c_linear.ipynb #84e7cdd2
-PLAN_FORMAT = 5   # bumped when the plan file's layout or the way it is measured changes
+PLAN_FORMAT = 6   # bumped when the plan file's layout or the way it is measured changes
 
 def _cpu_model_and_flags() -> tuple[str, list[str]]:
     model, flags = platform.processor() or platform.machine(), []
@@ -259,6 +261,47 @@ def measure_step(specs: dict[tuple[int, int], LinearSpec], rows: list[int],
         for s in shapes: kernels[s] = _prune(kernels[s], times[s], m, s[1], _buckets_up_to(specs[s].max_rows)[-1])
     return {s: {kern: t for kern, t in ts.items() if t} for s, ts in times.items()}
 
+# %% ../nbs/04c_linear.ipynb #cc829912
+_JUMP = 2.0     # a kernel's time that falls this much as its rows grow, or grows this much faster than its rows, is suspect
+_RETIMES = 2    # rounds of timing suspect points again
+
+
+def suspect_timings(times: dict[str, dict[int, float]]) -> set[tuple[str, int]]:
+    "The `(kernel, rows)` points of one shape's timings (`kernel -> rows -> s`) where more rows took `_JUMP`x less time, or `_JUMP`x more time per row."
+    out = set()
+    for kern, t in times.items():
+        ms = sorted(t)
+        for a, b in zip(ms, ms[1:]):
+            if t[b] / b > _JUMP * t[a] / a: out.add((kern, b))   # b slower per row than a: b was slowed down
+            elif t[b] * _JUMP < t[a]: out.add((kern, a))        # more rows in less time: a was slowed down
+    return out
+
+# %% ../nbs/04c_linear.ipynb #cc2b6dbb
+def _keep_faster(times: dict[str, dict[int, float]], new: dict[str, dict[int, float]]) -> None:
+    "Merge `new` readings into `times` where `times` has the point, keeping the smaller."
+    for kern, t in new.items():
+        for m, s in t.items():
+            if m in times.get(kern, {}): times[kern][m] = min(times[kern][m], s)
+
+
+def _retime_suspects(specs: dict[tuple[int, int], LinearSpec], times: dict, reps: int) -> None:
+    "Time the `suspect_timings` of every shape again, up to `_RETIMES` rounds, keeping the faster reading; warn of those left."
+    for round_ in range(_RETIMES + 1):
+        bad = {s: b for s in specs if (b := suspect_timings(times[s]))}
+        if not bad or round_ == _RETIMES: break
+        logger.info('kernel plan: timing %d points again that look disturbed: %s', sum(map(len, bad.values())),
+                    '; '.join(f'{_shape_key(s)} {k}@{m}' for s, b in bad.items() for k, m in sorted(b)))
+        step = sorted({m for b in bad.values() for _, m in b if m <= _STEP_MAX_ROWS})
+        for s, t in (measure_step(specs, step, reps) if step else {}).items(): _keep_faster(times[s], t)
+        for s, b in bad.items():
+            big = [(k, m) for k, m in b if m > _STEP_MAX_ROWS]
+            if not big: continue
+            new = measure_linear(*s, sorted({m for _, m in big}), specs[s].count, reps, sorted({k for k, _ in big}))
+            _keep_faster(times[s], {k: {m: t for m, t in ts.items() if (k, m) in big} for k, ts in new.items()})
+    if bad: logger.warning('kernel plan: %d timings still look disturbed after timing them again (was the machine busy?): '
+                           '%s; `minisgl tune` measures the plan anew', sum(map(len, bad.values())),
+                           '; '.join(f'{_shape_key(s)} {k}@{m}' for s, b in bad.items() for k, m in sorted(b)))
+
 # %% ../nbs/04c_linear.ipynb #b22e4f92
 def choose_kernels(times: dict[str, dict[int, float]], max_layouts: int = 2,
                    free: tuple[str, ...] = ()) -> list[tuple[int, str]]:
@@ -330,6 +373,7 @@ def measure_plan(specs: dict[tuple[int, int], LinearSpec], max_layouts: int = 2,
         alive = [kern for kern, t in times[shape].items() if last in t]   # not dropped as hopeless in the step
         for kern, t in (measure_linear(*shape, more, spec.count, reps, alive) if more else {}).items():
             times[shape].setdefault(kern, {}).update(t)
+    _retime_suspects(specs, times, reps)
     choices = {s: choose_kernels(times[s], max_layouts, specs[s].free) for s in specs}
     return KernelPlan(choices, times, 'measured', time.perf_counter() - t0)
 
@@ -388,8 +432,6 @@ def _write_plan(path: Path, plan: KernelPlan, specs) -> None:
         logger.warning('could not save the kernel plan to %s: %s', path, e)
 
 # %% ../nbs/04c_linear.ipynb #53215115
-logger = logging.getLogger('minisgl.linear')
-
 def kernel_plan(specs: dict[tuple[int, int], LinearSpec], kernels: str = 'auto', max_layouts: int = 2) -> KernelPlan:
     "The plan for `specs`: `kernels='auto'` reads the cache or measures once, 'measure' measures anew, a kernel name forces it."
     if kernels in KERNELS: return forced_plan(specs, kernels)

@@ -335,3 +335,52 @@ def test_plan_times_the_step_then_the_rest(monkeypatch):
     assert any(sorted(t) == [1, 2, 3, 4, 8, 16, 32, 64, 128, 192, 256] for t in times.values())
     assert not [c for c in calls if c[0] == "torch" and c[2] > 16]
     assert {k for _, k in plan.choices[(48, 32)]} <= set(times) - {"torch"}
+
+
+def _fake_timers(monkeypatch, spikes):
+    """Fake `measure_step` / `measure_linear` for one shape and two kernels: a smooth curve (flat to 64 rows, then
+    linear), slowed 10x at the (kernel, rows) points in `spikes` while their count lasts. Records each call."""
+    import minisgl.linear as L
+    calls, left = [], dict(spikes)
+    def curve(kern, m):
+        t = (1.0 if kern == "tiles" else 1.2) * max(1.0, m / 64) * 1e-4
+        if left.get((kern, m), 0) > 0:
+            left[kern, m] -= 1
+            return 10 * t
+        return t
+    def step(specs, rows, reps=5):
+        calls.append(("step", list(rows), None))
+        return {s: {k: {m: curve(k, m) for m in rows} for k in ("tiles", "onednn")} for s in specs}
+    def linear(n, k, rows, copies=1, reps=5, kernels=None):
+        calls.append(("linear", list(rows), sorted(kernels)))
+        return {kern: {m: curve(kern, m) for m in rows} for kern in kernels}
+    monkeypatch.setattr(L, "measure_step", step)
+    monkeypatch.setattr(L, "measure_linear", linear)
+    return L, calls
+
+
+def test_plan_times_disturbed_points_again(monkeypatch, caplog):
+    """A timing that breaks what a matmul's time does as rows grow (a busy moment: here 10x slower at one bucket
+    of the step and one past it) is timed again, the way it was first timed, and the faster reading is kept."""
+    L, calls = _fake_timers(monkeypatch, {("tiles", 32): 1, ("onednn", 192): 1})
+    assert L.suspect_timings({"tiles": {16: 1e-4, 32: 1e-3, 64: 1e-4}}) == {("tiles", 32)}
+    with caplog.at_level(logging.INFO, logger="minisgl.linear"):
+        plan = L.measure_plan({(48, 32): LinearSpec(2, 256)}, reps=1)
+    times = plan.times[(48, 32)]
+    assert L.suspect_timings(times) == set()
+    assert times["tiles"][32] == pytest.approx(1e-4) and times["onednn"][192] == pytest.approx(1.2e-4 * 3)
+    assert calls == [("step", [1, 2, 3, 4, 8, 16, 32, 64], None), ("linear", [128, 192, 256], ["onednn", "tiles"]),
+                     ("step", [32], None), ("linear", [192], ["onednn"])]
+    assert "timing 2 points again" in caplog.text and "still look disturbed" not in caplog.text
+    assert [k for m, k in plan.choices[(48, 32)]] == ["tiles"] * 11
+
+
+def test_plan_warns_of_points_that_stay_disturbed(monkeypatch, caplog):
+    "A point slow at every reading is timed again `_RETIMES` times, then kept with a warning; the plan still comes."
+    L, calls = _fake_timers(monkeypatch, {("onednn", 4): 99})
+    with caplog.at_level(logging.INFO, logger="minisgl.linear"):
+        plan = L.measure_plan({(48, 32): LinearSpec(2, 64)}, reps=1)
+    assert [c for c in calls if c[1] == [4]] == [("step", [4], None)] * L._RETIMES
+    assert L.suspect_timings(plan.times[(48, 32)]) == {("onednn", 4)}
+    assert "1 timings still look disturbed" in caplog.text and "48x32 onednn@4" in caplog.text
+    assert [k for m, k in plan.choices[(48, 32)]] == ["tiles"] * 8
