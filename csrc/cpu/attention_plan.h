@@ -29,6 +29,7 @@ class DecodeAttentionPlan {
   // split pair i once. Tasks are sorted longest first.
   void bind(const at::Tensor& k_cache, const at::Tensor& v_cache);
   int64_t num_tasks() const;
+  int64_t task_group() const;   // take tasks this many at a time (consecutive ones share their keys' cache lines)
   int64_t num_split_pairs() const;
   void run_task(int64_t t, int64_t thread);
   void finish_split(int64_t i, int64_t thread);

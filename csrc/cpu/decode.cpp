@@ -275,8 +275,9 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_cpu(
       return failed.load(std::memory_order_relaxed);
     };
     auto attention = [&](DecodeAttentionPlan& plan) {
-      for (int64_t t; (t = next_task.fetch_add(1, std::memory_order_relaxed)) < plan.num_tasks();)
-        plan.run_task(t, tid);
+      const int64_t ntasks = plan.num_tasks(), group = plan.task_group();
+      for (int64_t t0; (t0 = next_task.fetch_add(group, std::memory_order_relaxed)) < ntasks;)
+        for (int64_t t = t0; t < std::min(ntasks, t0 + group); ++t) plan.run_task(t, tid);
       barrier.wait(team);
       if (plan.num_split_pairs() > 0) {
         for (int64_t i = tid; i < plan.num_split_pairs(); i += team) plan.finish_split(i, tid);
