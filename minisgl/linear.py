@@ -284,13 +284,18 @@ def _keep_faster(times: dict[str, dict[int, float]], new: dict[str, dict[int, fl
             if m in times.get(kern, {}): times[kern][m] = min(times[kern][m], s)
 
 
+def _points(bad: dict) -> str:
+    "`shape -> {(kernel, rows)}` as a count and a list, for the log."
+    return f"{sum(map(len, bad.values()))} ({'; '.join(f'{_shape_key(s)} {k}@{m}' for s, b in bad.items() for k, m in sorted(b))})"
+
+
 def _retime_suspects(specs: dict[tuple[int, int], LinearSpec], times: dict, reps: int) -> None:
     "Time the `suspect_timings` of every shape again, up to `_RETIMES` rounds, keeping the faster reading; warn of those left."
     for round_ in range(_RETIMES + 1):
         bad = {s: b for s in specs if (b := suspect_timings(times[s]))}
-        if not bad or round_ == _RETIMES: break
-        logger.info('kernel plan: timing %d points again that look disturbed: %s', sum(map(len, bad.values())),
-                    '; '.join(f'{_shape_key(s)} {k}@{m}' for s, b in bad.items() for k, m in sorted(b)))
+        if not bad: return
+        if round_ == _RETIMES: break
+        logger.info('kernel plan: timing again the points that look disturbed: %s', _points(bad))
         step = sorted({m for b in bad.values() for _, m in b if m <= _STEP_MAX_ROWS})
         for s, t in (measure_step(specs, step, reps) if step else {}).items(): _keep_faster(times[s], t)
         for s, b in bad.items():
@@ -298,9 +303,8 @@ def _retime_suspects(specs: dict[tuple[int, int], LinearSpec], times: dict, reps
             if not big: continue
             new = measure_linear(*s, sorted({m for _, m in big}), specs[s].count, reps, sorted({k for k, _ in big}))
             _keep_faster(times[s], {k: {m: t for m, t in ts.items() if (k, m) in big} for k, ts in new.items()})
-    if bad: logger.warning('kernel plan: %d timings still look disturbed after timing them again (was the machine busy?): '
-                           '%s; `minisgl tune` measures the plan anew', sum(map(len, bad.values())),
-                           '; '.join(f'{_shape_key(s)} {k}@{m}' for s, b in bad.items() for k, m in sorted(b)))
+    logger.warning('kernel plan: timings still look disturbed after timing them again (was the machine busy?): %s; '
+                   '`minisgl tune` measures the plan anew', _points(bad))
 
 # %% ../nbs/04c_linear.ipynb #b22e4f92
 def choose_kernels(times: dict[str, dict[int, float]], max_layouts: int = 2,

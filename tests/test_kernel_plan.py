@@ -371,7 +371,7 @@ def test_plan_times_disturbed_points_again(monkeypatch, caplog):
     assert times["tiles"][32] == pytest.approx(1e-4) and times["onednn"][192] == pytest.approx(1.2e-4 * 3)
     assert calls == [("step", [1, 2, 3, 4, 8, 16, 32, 64], None), ("linear", [128, 192, 256], ["onednn", "tiles"]),
                      ("step", [32], None), ("linear", [192], ["onednn"])]
-    assert "timing 2 points again" in caplog.text and "still look disturbed" not in caplog.text
+    assert "timing again the points that look disturbed: 2 (" in caplog.text and "still look disturbed" not in caplog.text
     assert [k for m, k in plan.choices[(48, 32)]] == ["tiles"] * 11
 
 
@@ -382,5 +382,5 @@ def test_plan_warns_of_points_that_stay_disturbed(monkeypatch, caplog):
         plan = L.measure_plan({(48, 32): LinearSpec(2, 64)}, reps=1)
     assert [c for c in calls if c[1] == [4]] == [("step", [4], None)] * L._RETIMES
     assert L.suspect_timings(plan.times[(48, 32)]) == {("onednn", 4)}
-    assert "1 timings still look disturbed" in caplog.text and "48x32 onednn@4" in caplog.text
+    assert "still look disturbed after timing them again (was the machine busy?): 1 (48x32 onednn@4)" in caplog.text
     assert [k for m, k in plan.choices[(48, 32)]] == ["tiles"] * 8
