@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from fastcore.basics import patch
 
 from . import kernels
-from .linear import GEMV_MAX_ROWS, NATIVE_KERNELS, PackedLinear
+from .linear import GEMV_MAX_ROWS, LAYOUT, NATIVE_KERNELS, PackedLinear
 
 # %% auto #0
 __all__ = ['SUPPORTED_MODEL_TYPES', 'ModelConfig', 'rope_inv_freq', 'RotaryEmbedding', 'ForwardContext', 'RMSNorm', 'Attention',
@@ -307,14 +307,12 @@ def _linear_kernel(lin: nn.Module, rows: int) -> str | None:
 
 def _native_weight(lin: nn.Module, rows: int) -> torch.Tensor:
     "The weight a fused decode step hands its kernel: the packed tiles where the plan picked them (on AMX or not), else the plain weight."
-    return lin.tiles if _linear_kernel(lin, rows) in ('tiles', 'fma', 'amx') else lin.weight
+    return lin.tiles if LAYOUT.get(_linear_kernel(lin, rows)) == 'tiles' else lin.weight
 
 def _decode_linear(lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    "`lin(x)` in a fused decode step, by the kernel `_linear_kernel` names (a native one) or by the module."
-    kern = _linear_kernel(lin, x.shape[0])
-    if kern in ('tiles', 'fma', 'amx'):
-        return kernels.native().linear_packed(x, lin.tiles, lin.out_features, lin.bias, kern == 'amx', kern == 'fma')
-    if kern == 'gemv': return kernels.native().linear_gemv(x, lin.weight, lin.bias)
+    "`lin(x)` in a fused decode step: a `PackedLinear` runs its plan's pick itself, a plain bf16 `nn.Linear` of few rows the GEMV."
+    if not isinstance(lin, PackedLinear) and _linear_kernel(lin, x.shape[0]) == 'gemv':
+        return kernels.native().linear_gemv(x, lin.weight, lin.bias)
     return lin(x)
 
 class CausalLM(nn.Module):
@@ -416,13 +414,13 @@ class CausalLM(nn.Module):
                 lin(self.lm_head) if kinds[-1] in NATIVE_KERNELS else None)
         weights, native_head = cache[kinds]
         att = self.layers[0].self_attn
+        runs_on = lambda body: [k == body and (i < 4 or head) for i, k in enumerate(kinds)]   # per projection, the head last
         out = kernels.native().decode_layers(
             x, weights, self.cfg.rms_norm_eps, [k for k, _ in ctx.kv_caches], [v for _, v in ctx.kv_caches],
             self.rotary.cos, self.rotary.sin, ctx.positions, ctx.out_loc, ctx.page_table, ctx.table_idx, ctx.seq_lens,
             att.num_heads, att.num_kv_heads, att.scale, [l.self_attn.sliding_window for l in self.layers],
             self.norm.weight if head else None, native_head if head else None, self.lm_head.out_features,
-            [k == 'amx' and (i < 4 or head) for i, k in enumerate(kinds)],
-            [k == 'fma' and (i < 4 or head) for i, k in enumerate(kinds)])
+            runs_on('amx'), runs_on('fma'))
         return out[0] if head else out
 
     def can_fuse(self, x: torch.Tensor, ctx: ForwardContext) -> bool:

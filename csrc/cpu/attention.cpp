@@ -441,8 +441,7 @@ void run_dynamic(int64_t ntasks, int64_t macs, int64_t max_M, int64_t D, int64_t
   }
   at::parallel_for(0, nthreads, 1, [&](int64_t, int64_t) {
     Scratch sc(max_M, D, G);
-    for (int64_t t0; (t0 = next.fetch_add(group, std::memory_order_relaxed)) < ntasks;)
-      for (int64_t t = t0; t < std::min(ntasks, t0 + group); ++t) fn(t, sc);
+    take_tasks(next, ntasks, group, [&](int64_t t) { fn(t, sc); });
     release_amx();   // where a task ran on AMX (attention_amx.h)
   });
 }

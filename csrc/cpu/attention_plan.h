@@ -7,10 +7,19 @@
 #pragma once
 #include <ATen/core/Tensor.h>
 
+#include <algorithm>
+#include <atomic>
 #include <memory>
 
 namespace minisgl {
 namespace cpu {
+
+// Runs fn(t) for the tasks the threads of a run take from `next`, `group` consecutive ones at a time, until none is left.
+template <typename F>
+inline void take_tasks(std::atomic<int64_t>& next, int64_t ntasks, int64_t group, F&& fn) {
+  for (int64_t t0; (t0 = next.fetch_add(group, std::memory_order_relaxed)) < ntasks;)
+    for (int64_t t = t0; t < std::min(ntasks, t0 + group); ++t) fn(t);
+}
 
 class DecodeAttentionPlan {
  public:
@@ -25,11 +34,11 @@ class DecodeAttentionPlan {
   void run(const at::Tensor& k_cache, const at::Tensor& v_cache, bool parallel);
 
   // The same in pieces, for threads the caller runs (decode.cpp's region): bind the caches (one thread), then
-  // every task t once, on any threads (`thread`, below the plan's `threads`, picks the scratch), then, after all tasks, every
-  // split pair i once. Tasks are sorted longest first.
+  // every task t once, on any threads (`thread`, below the plan's `threads`, picks the scratch; take_tasks hands them
+  // out task_group() at a time), then, after all tasks, every split pair i once. Tasks are sorted longest first.
   void bind(const at::Tensor& k_cache, const at::Tensor& v_cache);
   int64_t num_tasks() const;
-  int64_t task_group() const;   // take tasks this many at a time (consecutive ones share their keys' cache lines)
+  int64_t task_group() const;   // tasks to take at a time: a request's KV heads, which read the same slots
   int64_t num_split_pairs() const;
   void run_task(int64_t t, int64_t thread);
   void finish_split(int64_t i, int64_t thread);

@@ -113,8 +113,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_cpu(
               "lm_head), got ", amx.size());
   TORCH_CHECK(fma.empty() || fma.size() == 5, fn, ": fma must be empty or name 5 projections (qkv, o, gate_up, down, "
               "lm_head), got ", fma.size());
-  auto on_amx = [&](int which) { return !amx.empty() && amx[which]; };
-  auto on_fma = [&](int which) { return !fma.empty() && fma[which]; };
+  auto body = [&](int which) { return tiles_body(!amx.empty() && amx[which], !fma.empty() && fma[which]); };
   const size_t L = k_caches.size();
   TORCH_CHECK(L >= 1, fn, ": no layers");
   TORCH_CHECK(weights.size() == kPerLayer * L, fn, ": expected ", kPerLayer, " weights per layer for ", L,
@@ -137,7 +136,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_cpu(
     return *w;
   };
   auto linear = [&](const c10::optional<at::Tensor>& w, const c10::optional<at::Tensor>& b, int64_t rows,
-                    int64_t cols, const char* what, size_t l, bool amx_body, bool fma_body) {
+                    int64_t cols, const char* what, size_t l, TilesBody tiles) {
     TORCH_CHECK(w.has_value() && w->defined(), fn, ": ", what, " of layer ", l, " is missing");
     TORCH_CHECK(w->device().is_cpu() && w->scalar_type() == at::kBFloat16 && w->is_contiguous(), fn, ": ", what,
                 " of layer ", l, " must be a contiguous bfloat16 CPU tensor, got ", w->scalar_type());
@@ -155,9 +154,9 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_cpu(
                   fn, ": packed ", what, " of layer ", l, " must be pack_linear_weight of a [", rows, ", ", cols,
                   "] weight, got ", w->sizes());
       p.tiles = true;
-      p.tp = make_tiles_plan(*w, rows, bp, nt * kTilesPartsPerThread, amx_body, fma_body);
+      p.tp = make_tiles_plan(*w, rows, bp, nt * kTilesPartsPerThread, tiles);
     } else {
-      TORCH_CHECK(!amx_body && !fma_body, fn, ": ", what, " runs on AMX or FMAs, which need its packed weight");
+      TORCH_CHECK(tiles == TilesBody::standard, fn, ": ", what, " runs on AMX or FMAs, which need its packed weight");
       TORCH_CHECK(w->dim() == 2 && w->size(0) == rows && w->size(1) == cols, fn, ": ", what, " of layer ", l,
                   " must have shape [", rows, ", ", cols, "], got ", w->sizes());
       p.gemv = make_gemv_plan(*w, bp, n, true, nt * kGemvPartsPerThread, "");
@@ -182,10 +181,10 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_cpu(
     Layer& ly = layers[l];
     ly.ln1 = &norm_weight(weights[w + 0], "input_layernorm", l);
     ly.ln2 = &norm_weight(weights[w + 5], "post_attention_layernorm", l);
-    ly.qkv = linear(weights[w + 1], weights[w + 2], QKV, H, "qkv_proj", l, on_amx(0), on_fma(0));
-    ly.o = linear(weights[w + 3], weights[w + 4], H, Hq * D, "o_proj", l, on_amx(1), on_fma(1));
-    ly.gate_up = linear(weights[w + 6], weights[w + 7], I2, H, "gate_up_proj", l, on_amx(2), on_fma(2));
-    ly.down = linear(weights[w + 8], weights[w + 9], H, I2 / 2, "down_proj", l, on_amx(3), on_fma(3));
+    ly.qkv = linear(weights[w + 1], weights[w + 2], QKV, H, "qkv_proj", l, body(0));
+    ly.o = linear(weights[w + 3], weights[w + 4], H, Hq * D, "o_proj", l, body(1));
+    ly.gate_up = linear(weights[w + 6], weights[w + 7], I2, H, "gate_up_proj", l, body(2));
+    ly.down = linear(weights[w + 8], weights[w + 9], H, I2 / 2, "down_proj", l, body(3));
     TORCH_CHECK(k_caches[l].dim() == 3 && k_caches[l].size(1) == Hkv && k_caches[l].size(2) == D &&
                     k_caches[l].sizes() == k_caches[0].sizes() && k_caches[l].scalar_type() == at::kBFloat16,
                 fn, ": every layer's caches must be bfloat16 [slots, ", Hkv, ", ", D, "] like layer 0's, got ",
@@ -223,7 +222,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_cpu(
     norm_weight(final_norm, "final_norm", L);
     const int64_t V = lm_head->dim() == 4 ? vocab_size : lm_head->size(0);
     TORCH_CHECK(V >= 1, fn, ": a packed lm_head needs vocab_size");
-    head_plan = linear(lm_head, c10::nullopt, V, H, "lm_head", L, on_amx(4), on_fma(4));
+    head_plan = linear(lm_head, c10::nullopt, V, H, "lm_head", L, body(4));
     logits = at::empty({n, V}, x_in.options().dtype(at::kFloat));
   }
 
@@ -275,9 +274,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_cpu(
       return failed.load(std::memory_order_relaxed);
     };
     auto attention = [&](DecodeAttentionPlan& plan) {
-      const int64_t ntasks = plan.num_tasks(), group = plan.task_group();
-      for (int64_t t0; (t0 = next_task.fetch_add(group, std::memory_order_relaxed)) < ntasks;)
-        for (int64_t t = t0; t < std::min(ntasks, t0 + group); ++t) plan.run_task(t, tid);
+      take_tasks(next_task, plan.num_tasks(), plan.task_group(), [&](int64_t t) { plan.run_task(t, tid); });
       barrier.wait(team);
       if (plan.num_split_pairs() > 0) {
         for (int64_t i = tid; i < plan.num_split_pairs(); i += team) plan.finish_split(i, tid);

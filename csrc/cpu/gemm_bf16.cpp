@@ -107,6 +107,18 @@ TilesIsa tiles_isa() {
 
 #ifdef MINISGL_GEMM_X86
 #define MINISGL_TBF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma")))
+#define MINISGL_T512F __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")))
+
+// The lanes of output block n0 (16 outputs from n0) below N: 0 when the block lies past N.
+MINISGL_T512F inline __mmask16 out_lanes(int64_t N, int64_t n0) {
+  const int64_t valid = std::min<int64_t>(16, N - n0);
+  return valid <= 0 ? 0 : valid == 16 ? (__mmask16)0xffff : (__mmask16)((1u << valid) - 1u);
+}
+
+// The bias of output block n0 in lanes mk (zeros without a bias).
+MINISGL_T512F inline __m512 out_bias(const float* bias, __mmask16 mk, int64_t n0) {
+  return bias ? _mm512_maskz_loadu_ps(mk, bias + n0) : _mm512_setzero_ps();
+}
 
 // Rows [m0, m0 + MB) of x times output blocks [nb, nb + NB): acc[m][j] += x[m, k:k+2] * W[16 (nb + j) .. +16, k:k+2].
 template <int MB, int NB>
@@ -128,10 +140,9 @@ MINISGL_TBF16 inline void tile(const uint16_t* x, int64_t xs, const uint16_t* wp
   }
   for (int j = 0; j < NB; ++j) {
     const int64_t n0 = (nb + j) * 16;
-    const int64_t valid = std::min<int64_t>(16, N - n0);
-    if (valid <= 0) break;
-    const __mmask16 mk = valid == 16 ? (__mmask16)0xffff : (__mmask16)((1u << valid) - 1u);
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(mk, bias + n0) : _mm512_setzero_ps();
+    const __mmask16 mk = out_lanes(N, n0);
+    if (!mk) break;
+    const __m512 b = out_bias(bias, mk, n0);
     for (int m = 0; m < MB; ++m) {
       const __m256bh r = _mm512_cvtneps_pbh(_mm512_add_ps(acc[m][j], b));  // round to nearest even
       if (y_f32) _mm512_mask_storeu_ps(static_cast<float*>(y) + m * ys + n0, mk, _mm512_cvtpbh_ps(r));
@@ -189,7 +200,6 @@ void for_widened_chunks(const uint16_t* x, int64_t xs, int64_t M, int64_t K, int
 }
 
 // ---------------------------------------------------------------- avx512: W widened to fp32, zmm FMAs
-#define MINISGL_T512F __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")))
 
 constexpr int kMB5 = 8;  // rows of x per zmm register tile: 8 x 3 accumulators + 3 of W + 1 of x (of 32 registers)
 
@@ -229,10 +239,9 @@ MINISGL_T512F inline void tile_512(const float* xf, int64_t K, const uint16_t* w
 #pragma GCC unroll 4
   for (int j = 0; j < NB; ++j) {
     const int64_t n0 = (nb + j) * 16;
-    const int64_t valid = std::min<int64_t>(16, N - n0);
-    if (valid <= 0) break;
-    const __mmask16 mk = valid == 16 ? (__mmask16)0xffff : (__mmask16)((1u << valid) - 1u);
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(mk, bias + n0) : _mm512_setzero_ps();
+    const __mmask16 mk = out_lanes(N, n0);
+    if (!mk) break;
+    const __m512 b = out_bias(bias, mk, n0);
 #pragma GCC unroll 8
     for (int m = 0; m < MB; ++m) {
       const __m512i u = _mm512_castps_si512(_mm512_add_ps(acc[m][j], b));
@@ -369,15 +378,19 @@ MINISGL_T256 void blocks_256(const uint16_t* x, int64_t xs, int64_t M, const uin
 
 }  // namespace
 
-TilesPlan make_tiles_plan(const at::Tensor& packed, int64_t N, const float* bias, int64_t parts, bool amx, bool fma) {
+TilesBody tiles_body(bool amx, bool fma) {
   TORCH_CHECK(!(amx && fma), "linear_packed: amx and fma name two bodies; give at most one");
+  return amx ? TilesBody::amx : fma ? TilesBody::fma : TilesBody::standard;
+}
+
+TilesPlan make_tiles_plan(const at::Tensor& packed, int64_t N, const float* bias, int64_t parts, TilesBody body) {
+  const bool amx = body == TilesBody::amx, fma = body == TilesBody::fma;
   TORCH_CHECK(!amx || amx_available(), "linear_packed: AMX does not run here (amx_available() is false)");
   TORCH_CHECK(!fma || linear_fma_available(), "linear_packed: the AVX-512 FMA body does not run here "
               "(linear_fma_available() is false)");
   TORCH_CHECK(!amx || packed.size(1) % 16 == 0, "linear_packed: AMX needs K a multiple of 32, got K=", 2 * packed.size(1));
   TilesPlan p;
-  p.amx = amx;
-  p.fma = fma;
+  p.body = body;
   p.wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   p.bias = bias;
   p.N = N;
@@ -397,9 +410,9 @@ void run_tiles_part(const TilesPlan& p, const void* x, int64_t xs, int64_t M, vo
   const int64_t nb0 = part * p.per, nb1 = std::min(p.nblk, nb0 + p.per);
   if (nb0 >= nb1) return;
   const bool y_f32 = yf == YFormat::f32_bf16_rounded;
-  if (p.amx)
+  if (p.body == TilesBody::amx)
     run_amx_part(p, static_cast<const uint16_t*>(x), xs, M, y, ys, y_f32, nb0, nb1);
-  else if (p.fma || tiles_isa() == TilesIsa::avx512)
+  else if (p.body == TilesBody::fma || tiles_isa() == TilesIsa::avx512)
     blocks_512(static_cast<const uint16_t*>(x), xs, M, p.wp, p.K2, p.bias, y, ys, y_f32, p.N, nb0, nb1);
   else if (tiles_isa() == TilesIsa::avx512bf16)
     blocks(static_cast<const uint16_t*>(x), xs, M, p.wp, p.K2, p.bias, y, ys, y_f32, p.N, nb0, nb1);
@@ -464,7 +477,7 @@ at::Tensor linear_packed(const at::Tensor& x_in, const at::Tensor& packed, int64
   if (M == 0 || N == 0) return out;
   const auto x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
   const TilesPlan p =
-      make_tiles_plan(packed, N, b.defined() ? b.data_ptr<float>() : nullptr, at::get_num_threads(), amx, fma);
+      make_tiles_plan(packed, N, b.defined() ? b.data_ptr<float>() : nullptr, at::get_num_threads(), tiles_body(amx, fma));
   at::parallel_for(0, p.parts, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t t = p0; t < p1; ++t) run_tiles_part(p, x.data_ptr(), x.stride(0), M, out.data_ptr(), N, YFormat::bf16, t);
     if (amx) release_amx();

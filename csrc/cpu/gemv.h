@@ -59,18 +59,23 @@ void run_gemv_part(const GemvPlan& p, const void* x, int64_t xs, bool x_bf16, vo
 // registers, AVX-512 or AVX2; or gemm_amx.cpp: AMX tiles):
 // W packed by pack_linear_weight as [nblk = ceil(N/16), K2 = K/2, 16, 2], split into `parts` contiguous ranges of
 // output blocks.
+// Which body runs a plan's tiles: the CPU's default (gemm_bf16.cpp: AVX512-BF16 dot products, else fp32 FMAs), the
+// AVX-512 fp32 FMA body where AVX512-BF16's is the default, or AMX (gemm_amx.cpp).
+enum class TilesBody { standard, fma, amx };
+
+// The body the Python API's two flags name (linear_packed's amx and fma, decode_layers' lists): at most one.
+TilesBody tiles_body(bool amx, bool fma);
+
 struct TilesPlan {
   const uint16_t* wp = nullptr;
   const float* bias = nullptr;  // fp32 [N] or null; must outlive the plan's runs
   int64_t N = 0, K2 = 0, nblk = 0, parts = 1, per = 0;
-  bool amx = false;  // run on AMX (amx_available(), K a multiple of 32)
-  bool fma = false;  // run the AVX-512 fp32 FMA body even where AVX512-BF16's dot products are the default
+  TilesBody body = TilesBody::standard;
 };
 
-// amx: run the AMX body (checked: the CPU and OS allow it, and K is a multiple of 32); fma: the AVX-512 fp32 FMA
-// body (checked: linear_fma_available()).
-TilesPlan make_tiles_plan(const at::Tensor& packed, int64_t N, const float* bias, int64_t parts, bool amx = false,
-                          bool fma = false);
+// Checked: amx runs only where the CPU and OS allow it and K is a multiple of 32; fma where linear_fma_available().
+TilesPlan make_tiles_plan(const at::Tensor& packed, int64_t N, const float* bias, int64_t parts,
+                          TilesBody body = TilesBody::standard);
 
 // gemm_amx.cpp: output blocks [nb0, nb1) of a plan on AMX (see amx.h for amx_available and release_amx).
 void run_amx_part(const TilesPlan& p, const uint16_t* x, int64_t xs, int64_t M, void* y, int64_t ys, bool y_f32,
