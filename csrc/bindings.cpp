@@ -4,6 +4,7 @@
 
 #include "common.h"
 #include "ops.h"
+#include "cpu/quant.h"
 
 namespace minisgl {
 namespace {
@@ -135,6 +136,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("seq_lens"), py::arg("num_q_heads"), py::arg("num_kv_heads"), py::arg("scale"),
         py::arg("sliding_windows"), py::arg("final_norm") = py::none(), py::arg("lm_head") = py::none(),
         py::arg("vocab_size") = -1, py::arg("amx") = std::vector<bool>{}, py::arg("fma") = std::vector<bool>{},
+        py::call_guard<py::gil_scoped_release>());
+  m.def("quant_row_bytes", &minisgl::quant_row_bytes,
+        "bytes of one repacked row of K weights of a quantized type (GGML ids; 100: per-channel int8), -1 if none",
+        py::arg("qtype"), py::arg("k"));
+  m.def("quant_vnni_available", &minisgl::quant_vnni_available,
+        "whether quant_linear runs its AVX512-VNNI kernel here (MINISGL_CPU_ISA not capping it below avx512)");
+  m.def("quant_dequantize", &minisgl::quant_dequantize_cpu,
+        "fp32 [rows, K] of a repacked quantized weight (all rows, or those listed), as gguf-py dequantizes",
+        py::arg("weight"), py::arg("qtype"), py::arg("k"), py::arg("rows") = py::none());
+  m.def("quant_linear", &minisgl::quant_linear_cpu,
+        "y = x @ W.T (+ bias) over quantized weight parts (rows concatenated), activations quantized per 32; "
+        "vnni: -1 best here, 0 portable, 1 VNNI",
+        py::arg("x"), py::arg("weights"), py::arg("qtypes"), py::arg("bias") = py::none(), py::arg("vnni") = -1,
         py::call_guard<py::gil_scoped_release>());
   m.def("has_cuda", &minisgl::has_cuda, "whether the CUDA kernels were compiled in");
   m.def("cpu_isa", &minisgl::cpu_isa, "the instruction set the CPU kernels use on this machine");

@@ -89,7 +89,8 @@ def amx_available() -> bool:
 
 # %% ../nbs/04c_linear.ipynb #98ce09e2
 KERNELS = ('gemv', 'tiles', 'fma', 'amx', 'onednn', 'torch')
-LAYOUT = {'gemv': 'plain', 'tiles': 'tiles', 'fma': 'tiles', 'amx': 'tiles', 'onednn': 'onednn', 'torch': 'plain'}
+LAYOUT = {'gemv': 'plain', 'tiles': 'tiles', 'fma': 'tiles', 'amx': 'tiles', 'onednn': 'onednn', 'torch': 'plain',
+          'q8dot': 'quant', 'dequant': 'quant'}   # the last two: quantized weights (chapter `quant`), planned alike
 ROW_BUCKETS = (1, 2, 3, 4, 8, 16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)   # rows are looked up in the next bucket up
 GEMV_PLAN_MAX_ROWS = 8   # the GEMV's register block: past it every 8 rows stream W again
 
@@ -414,7 +415,7 @@ def _read_plan(path: Path, specs, max_layouts) -> KernelPlan | None:
         times = {}
         for shape in specs:
             ts = d['times'][_shape_key(shape)]
-            times[shape] = {kern: {int(m): float(s) for m, s in t.items()} for kern, t in ts.items() if kern in KERNELS}
+            times[shape] = {kern: {int(m): float(s) for m, s in t.items()} for kern, t in ts.items() if kern in LAYOUT}
             ok = all(s > 0 and math.isfinite(s) for t in times[shape].values() for s in t.values())
             if not ok or not times[shape]: return None
         choices = {s: choose_kernels(times[s], max_layouts, specs[s].free) for s in specs}
