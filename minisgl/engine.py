@@ -21,16 +21,18 @@ from .linear import (KERNELS, ROW_BUCKETS, KernelPlan, PackedLinear, can_pack_li
 from .models import CausalLM, ForwardContext, ModelConfig
 from .scheduler import MIN_PROMPT_CHUNK, ModelRunner, SchedulerConfig
 from .sampling import SamplingBatch, greedy_tokens, sample
-from .weights import (eos_token_ids, load_hf_config, load_model, load_tokenizer, model_problem, resolve_model,
+from .quant import quant_plan, quant_specs
+from .weights import (eos_token_ids, load_gguf_model, load_hf_config, load_model, quantize_linears_int8, load_tokenizer, model_problem, resolve_model,
                              sampling_defaults)
 
 logger = logging.getLogger('minisgl.engine')
 
 # %% auto #0
-__all__ = ['logger', 'PLANNED_ROWS', 'SERVE_ITL_TARGET', 'FIXED_LIMITS', 'EngineConfig', 'cpu_has_fast_bf16', 'free_memory',
-           'Engine', 'model_linear_specs', 'BatchLimits', 'linear_seconds', 'fit_limits', 'EngineArgs']
+__all__ = ['logger', 'QUANTIZATIONS', 'PLANNED_ROWS', 'SERVE_ITL_TARGET', 'FIXED_LIMITS', 'EngineConfig', 'cpu_has_fast_bf16',
+           'free_memory', 'Engine', 'model_linear_specs', 'BatchLimits', 'linear_seconds', 'fit_limits', 'EngineArgs']
 
 # %% ../nbs/08_engine.ipynb #2a257558
+QUANTIZATIONS = ('auto', 'none', 'gguf', 'int8')
 _DTYPES = {'float32': torch.float32, 'fp32': torch.float32, 'bfloat16': torch.bfloat16, 'bf16': torch.bfloat16,
            'float16': torch.float16, 'fp16': torch.float16}
 
@@ -53,6 +55,10 @@ class EngineConfig:
     num_threads: int | None = option(None, "CPU threads for torch (default: torch's, one per physical core)", metavar='N')
     kernels: str = option('auto', "CPU bf16 matmul kernels: auto measures a plan once per machine and keeps it (see `minisgl tune`), "
                                   "measure measures anew, a kernel name forces it", choices=('auto', 'measure', *KERNELS))
+    quantization: str = option('auto', "weights as stored or quantized: gguf runs a .gguf model's quantized tensors as they are "
+                                       "(chapter quant; formats without a kernel are dequantized, each logged), int8 quantizes every "
+                                       "linear per channel at load time, none dequantizes a .gguf to --dtype; auto: none, measured the "
+                                       "faster so far (README)", choices=QUANTIZATIONS)
     kernel_layouts: int = option(2, "weight layouts a linear may keep: 1 holds one copy of the weights, 2 lets decode and prefill "
                                     "each take their fastest kernel", choices=(1, 2, 3), metavar='N')
     sampling_defaults: str = option('model', "sampling for requests that leave it out: model reads the model's generation_config.json "
@@ -81,6 +87,11 @@ class EngineConfig:
         check(isinstance(self.mem_fraction, (int, float)) and 0 < self.mem_fraction <= 1, 'mem_fraction', f'must be in (0, 1], got {self.mem_fraction!r}')
         check_choice('kernels', self.kernels, ('auto', 'measure', *KERNELS))
         check_choice('kernel_layouts', self.kernel_layouts, (1, 2, 3))
+        check_choice('quantization', self.quantization, QUANTIZATIONS)
+        check(self.quantization in ('auto', 'none') or self.tp_size == 1, 'quantization',
+              f'{self.quantization} runs on one rank only (--tp 1), got --tp {self.tp_size}')
+        check(self.quantization in ('auto', 'none') or str(self.device) in ('auto', 'cpu'), 'quantization',
+              f'{self.quantization} runs on the CPU only, got --device {self.device}')
         check(not isinstance(self.kernel_layouts, bool), 'kernel_layouts', 'must be 1, 2 or 3')
         check_choice('attention_backend', self.attention_backend, (None, 'cpu', 'cuda', 'triton', 'torch'))
         sampling_defaults(None, self.sampling_defaults)      # its shape now; the model's values when it loads
@@ -148,7 +159,7 @@ class Engine:
         self.eos_token_ids = eos_token_ids(self.model_dir, self.tokenizer)
         self.sampling_defaults = sampling_defaults(self.model_dir, config.sampling_defaults)
         logger.info('sampling defaults (for requests that leave them out): %s', self.sampling_defaults or 'none')
-        self.kernel_plan = self._plan_kernels() if can_pack_linears(self.device, self.dtype) else None
+        self.kernel_plan = self._plan_kernels()
         if self.device.type == 'cpu':   # a decode step streams every weight: 2 MB pages keep the prefetchers going
             t = time.perf_counter(); moved = to_huge_pages(self.model)
             logger.info('weights on huge pages: %.0f MB in %.1f s', moved / 2**20, time.perf_counter() - t)
@@ -164,8 +175,31 @@ class Engine:
 # %% ../nbs/08_engine.ipynb #84b007d0
 @patch
 def _load_model(self: Engine) -> CausalLM:
-    "The model with all its weights (a `TPEngine` loads its rank's slice)."
-    return load_model(self.model_dir, self.dtype, self.device, self.config.max_seq_len)
+    "The model with all its weights, quantized as `config.quantization` says (a `TPEngine` loads its rank's slice)."
+    q = self.quantization = _resolve_quantization(self.config, self.device)
+    if q == 'gguf':
+        return load_gguf_model(self.model_dir, _gguf_file(self.config.model), self.dtype, self.config.max_seq_len)
+    model = load_model(self.model_dir, self.dtype, self.device, self.config.max_seq_len)
+    if q == 'int8':
+        saved = quantize_linears_int8(model)
+        logger.info('weights quantized to int8 per channel: %.0f MB less than %s', saved / 2**20, str(self.dtype).replace('torch.', ''))
+    return model
+
+def _gguf_file(model: str | None) -> Path | None:
+    "The .gguf file `model` names (None: the embedded default's), or None for an HF directory."
+    from minisgl.weights import default_gguf_path
+    if model is None: return default_gguf_path()
+    return Path(model).expanduser() if str(model).endswith('.gguf') else None
+
+def _resolve_quantization(config: EngineConfig, device: torch.device) -> str:
+    "What `config.quantization` means here: auto is none, the faster of the two on the project's machines so far (README: bench_quant)."
+    q, gguf = config.quantization, _gguf_file(config.model)
+    # measured (benchmarks/bench_quant.py, Intel Xeon with AMX): one request decodes at 95 tok/s natively against 121 from
+    # bf16, whose whole decode step is one C++ call; auto becomes gguf where the native path wins
+    if q == 'auto': return 'none'
+    check(q != 'gguf' or gguf is not None, 'quantization', f'gguf needs a .gguf model, got {config.model!r} (int8 quantizes any model)')
+    check(q == 'none' or device.type == 'cpu', 'quantization', f'{q} runs on the CPU only, got {device}')
+    return q
 
 @patch
 def _kv_bytes_per_page(self: Engine) -> int:
@@ -203,11 +237,25 @@ def __repr__(self: Engine):
 PLANNED_ROWS = 64   # the decode batches a plan measures when max_running_reqs is not set (fitting may pick fewer)
 
 @patch
-def _plan_kernels(self: Engine) -> KernelPlan:
-    "Read or measure the kernel plan of this model's linears, make them follow it, and log it (with its memory cost)."
+def _plan_kernels(self: Engine) -> KernelPlan | None:
+    "Read or measure the kernel plans of this model's linears (bf16 and quantized), make them follow them, and log them; None: no plan here."
+    c, rows = self.config, self.config.max_running_reqs or PLANNED_ROWS
+    self.linear_specs, self.kernel_extra_bytes, plans = {}, 0, []   # kept: the batch limits read them
+    if can_pack_linears(self.device, self.dtype) and (specs := linear_specs(self.model, rows)):
+        plans.append(self._plan_dense_kernels(specs)); self.linear_specs.update(specs)
+    if self.device.type == 'cpu' and (specs := quant_specs(self.model, rows)):
+        qplan = quant_plan(self.model, specs, self.dtype, c.kernels if c.kernels in ('auto', 'measure') else 'auto')
+        logger.info('quantized kernel plan (%s):\n%s', qplan.source, qplan.table())
+        plans.append(qplan); self.linear_specs.update(specs)
+    if not plans: return None
+    return KernelPlan({s: p for plan in plans for s, p in plan.choices.items()}, {s: t for plan in plans for s, t in plan.times.items()},
+                      ' + '.join(plan.source for plan in plans), sum(plan.seconds for plan in plans))
+
+@patch
+def _plan_dense_kernels(self: Engine, specs: dict) -> KernelPlan:
+    "The bf16 plan (chapter linear) of `specs`, applied to the model's `nn.Linear`s and logged with its memory cost."
     c = self.config
-    self.linear_specs = linear_specs(self.model, c.max_running_reqs or PLANNED_ROWS)   # kept: the batch limits read them
-    plan = kernel_plan(self.linear_specs, c.kernels, c.kernel_layouts)
+    plan = kernel_plan(specs, c.kernels, c.kernel_layouts)
     pack_linears(self.model, plan)
     extra, embed = 0, self.model.embed_tokens.weight.data_ptr()   # bytes of weight copies beyond one per linear
     for m in self.model.modules():

@@ -309,6 +309,10 @@ def _native_weight(lin: nn.Module, rows: int) -> torch.Tensor:
     "The weight a fused decode step hands its kernel: the packed tiles where the plan picked them (on AMX or not), else the plain weight."
     return lin.tiles if LAYOUT.get(_linear_kernel(lin, rows)) == 'tiles' else lin.weight
 
+def _quantized(lin: nn.Module) -> bool:
+    "Whether `lin` is a `QuantLinear` (chapter quant), which runs its own plan's kernel in a decode step."
+    return type(lin).__name__ == 'QuantLinear'
+
 def _decode_linear(lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
     "`lin(x)` in a fused decode step: a `PackedLinear` runs its plan's pick itself, a plain bf16 `nn.Linear` of few rows the GEMV."
     if not isinstance(lin, PackedLinear) and _linear_kernel(lin, x.shape[0]) == 'gemv':
@@ -343,7 +347,8 @@ class CausalLM(nn.Module):
         self.last_path = 'fused decode' if direct else 'fused layers' if fused else 'modules'   # for logs and tests
         if direct:
             head = logits_idx is None and _linear_kernel(self.lm_head, x.shape[0]) in NATIVE_KERNELS
-            if ctx.tp is not None or not hasattr(kernels.native(), 'decode_layers'):   # one C++ call has no room for all-reduces
+            if ctx.tp is not None or not hasattr(kernels.native(), 'decode_layers') or self._has_quantized():
+                # one C++ call has no room for all-reduces, nor (yet) for quantized linears (chapter quant): C++ calls in turn
                 x, residual = self._decode_layers(x, ctx)
             elif head:
                 return self._decode_layers_native(x, ctx, head=True)   # on to the logits, in the same call
@@ -368,12 +373,17 @@ class CausalLM(nn.Module):
         "The whole vocabulary's logits: under TP each rank computed its slice's, so gather and join them."
         return logits if ctx.tp is None else ctx.tp.gather_vocab(logits)
 
+    def _has_quantized(self) -> bool:
+        "Whether any linear is a `QuantLinear` (looked up once)."
+        if '_quantized' not in self.__dict__: self.__dict__['_quantized'] = any(_quantized(m) for m in self.modules())
+        return self.__dict__['_quantized']
+
     def _direct_decode(self, x: torch.Tensor, ctx: ForwardContext) -> bool:
         "A bf16 decode step that `_decode_layers` can run: every layer matmul's kernel at this batch size is a native one."
         ext, rows, l0 = kernels.native(), x.shape[0], self.layers[0]
         if ctx.is_prefill or self.cfg.qk_norm or x.dtype != torch.bfloat16 or not hasattr(ext, 'linear_gemv'): return False
         lins = (l0.self_attn.qkv_proj, l0.self_attn.o_proj, l0.mlp.gate_up_proj, l0.mlp.down_proj)   # every layer: same shapes
-        if any(_linear_kernel(m, rows) not in NATIVE_KERNELS for m in lins): return False
+        if any(_linear_kernel(m, rows) not in NATIVE_KERNELS and not _quantized(m) for m in lins): return False
         return rows <= GEMV_MAX_ROWS or (rows <= 64 and hasattr(ext, 'decode_layers'))
 
     def _decode_layers(self, x: torch.Tensor, ctx: ForwardContext):

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import numpy as np
 import torch.nn as nn
 
 from .core import ParamError, SamplingParams, check
@@ -28,7 +29,7 @@ logger = logging.getLogger('minisgl.weights')
 __all__ = ['logger', 'DEFAULT_MODEL', 'DEFAULT_GGUF', 'GET_DEFAULT_MODEL', 'EMBEDDED_SAMPLING', 'SAMPLING_DEFAULT_FIELDS',
            'cache_root', 'default_gguf_path', 'converted_dir', 'is_converted', 'convert_gguf', 'conversion_lock',
            'cached_conversion', 'model_problem', 'resolve_model', 'load_weights', 'load_hf_config', 'load_model',
-           'load_tokenizer', 'eos_token_ids', 'sampling_defaults']
+           'load_gguf_model', 'quantize_linears_int8', 'load_tokenizer', 'eos_token_ids', 'sampling_defaults']
 
 # %% ../nbs/06_weights.ipynb #9e571fd5
 DEFAULT_MODEL = 'SmolLM2-135M-Instruct'
@@ -183,10 +184,10 @@ def _target(name: str, cfg: ModelConfig) -> tuple[str, int] | None:
     return name, 0
 
 # %% ../nbs/06_weights.ipynb #e45c11ac
-def load_weights(model: CausalLM, model_dir: str | Path, read: Callable | None = None) -> None:
-    "Copy every `*.safetensors` tensor of `model_dir` into `model` (casting to its dtype/device); `read(file, key)` may read a slice (tensor parallel)."
+def load_weights(model: CausalLM, model_dir: str | Path, read: Callable | None = None, skip: set[str] = frozenset()) -> None:
+    "Copy every `*.safetensors` tensor of `model_dir` into `model` (casting to its dtype/device); `read(file, key)` may read a slice (tensor parallel); parameters named in `skip` are left alone."
     from safetensors import safe_open
-    params = dict(model.named_parameters())         # tied weights appear once, as embed_tokens
+    params = {n: p for n, p in model.named_parameters() if n not in skip}   # tied weights appear once, as embed_tokens
     filled = {n: 0 for n in params}
     files = sorted(Path(model_dir).glob('*.safetensors'))
     if not files: raise FileNotFoundError(f'no *.safetensors in {model_dir}')
@@ -196,6 +197,7 @@ def load_weights(model: CausalLM, model_dir: str | Path, read: Callable | None =
                 tgt = _target(key, model.cfg)
                 if tgt is None: continue
                 name, off = tgt
+                if name in skip: continue
                 if name not in params:
                     if name == 'lm_head.weight' and model.cfg.tie_word_embeddings: continue
                     raise ValueError(f'checkpoint tensor {key!r} has no place in the model ({name!r})')
@@ -236,6 +238,92 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device
         model = CausalLM(cfg, max_seq_len, dtype=dtype, device=device).to(dtype)
     load_weights(model, model_dir, shard.read if shard is not None else None)
     return model.eval().requires_grad_(False)
+
+# %% ../nbs/06_weights.ipynb #dc757cea
+_GGUF_LINEARS = {'self_attn.qkv_proj': ('attn_q', 'attn_k', 'attn_v'), 'self_attn.o_proj': ('attn_output',),
+                 'mlp.gate_up_proj': ('ffn_gate', 'ffn_up'), 'mlp.down_proj': ('ffn_down',)}
+_PERMUTED_ARCHS = ('llama', 'mistral')     # llama.cpp permutes q/k rows for these (transformers' GGUF loader undoes it)
+
+
+def _unpermute_rows(raw: np.ndarray, n_head: int) -> np.ndarray:
+    "Undo llama.cpp's q/k row permutation (`LlamaModel.permute`: per head, rows interleaved by halves) on rows of bytes."
+    n = raw.shape[0]
+    return np.ascontiguousarray(raw.reshape(n_head, n // n_head // 2, 2, -1).swapaxes(1, 2).reshape(n, -1))
+
+
+def _gguf_part(t, k: int, n_head: int | None = None):
+    "(QuantFormat, repacked rows) of GGUF tensor `t` of rows of `k` weights, or the reason the kernels cannot take it."
+    from minisgl.quant import FORMAT_BY_TYPE, repack
+    fmt = FORMAT_BY_TYPE.get(int(t.tensor_type))
+    if fmt is None or fmt.name == 'I8': return f'{t.tensor_type.name} has no native kernel'
+    if fmt.row_bytes(k) < 0: return f'{fmt.name} rows of {k} weights do not fit its blocks'
+    raw = np.asarray(t.data).reshape(-1, k // fmt.block * fmt.block_bytes)
+    if n_head: raw = _unpermute_rows(raw, n_head)
+    return fmt, torch.from_numpy(repack(fmt, raw, k))
+
+# %% ../nbs/06_weights.ipynb #56b13c8d
+def load_gguf_model(model_dir: str | Path, gguf: str | Path, dtype: torch.dtype = torch.bfloat16,
+                    max_seq_len: int | None = None) -> CausalLM:
+    "A `CausalLM` whose linears and embedding are `gguf`'s quantized tensors as stored (`QuantLinear`, `QuantEmbedding`); the rest from `model_dir`, its conversion."
+    from gguf import GGUFReader
+    from minisgl.quant import QuantEmbedding, QuantLinear
+    cfg = ModelConfig.from_hf(load_hf_config(model_dir))
+    reader = GGUFReader(str(gguf))
+    arch = bytes(reader.fields['general.architecture'].parts[-1]).decode()
+    tensors = {t.name: t for t in reader.tensors}
+    native, dense, why = {}, set(), {}          # our module name -> parts; parameters to read from the copy
+    for i in range(cfg.num_layers):
+        for ours, names in _GGUF_LINEARS.items():
+            k = cfg.intermediate_size if ours == 'mlp.down_proj' else cfg.hidden_size
+            heads = {'attn_q': cfg.num_heads, 'attn_k': cfg.num_kv_heads} if arch in _PERMUTED_ARCHS else {}
+            parts = [_gguf_part(tensors[f'blk.{i}.{n}.weight'], k, heads.get(n)) for n in names]
+            bad = [p for p in parts if isinstance(p, str)]
+            if bad: why[f'layers.{i}.{ours}'] = bad[0]
+            else: native[f'layers.{i}.{ours}'] = parts
+    emb = _gguf_part(tensors['token_embd.weight'], cfg.hidden_size)
+    head = tensors.get('output.weight')
+    head_part = emb if head is None else _gguf_part(head, cfg.hidden_size)
+    for name, p in (('embed_tokens', emb), ('lm_head', head_part)):
+        if isinstance(p, str): why[name] = p
+    skip = {f'{m}.weight' for m in native} | ({'embed_tokens.weight'} if not isinstance(emb, str) else set())
+    if not isinstance(head_part, str) and not cfg.tie_word_embeddings: skip.add('lm_head.weight')
+    old = torch.get_default_dtype()
+    try:                                         # built empty in `dtype`: the linears' memory is never touched
+        torch.set_default_dtype(dtype)
+        with _skip_init(): model = CausalLM(cfg, max_seq_len or cfg.max_position_embeddings, dtype=dtype)
+    finally: torch.set_default_dtype(old)
+    load_weights(model, model_dir, skip=skip)
+    for name, parts in native.items():
+        parent, attr = model.get_submodule(name.rsplit('.', 1)[0]), name.rsplit('.', 1)[1]
+        lin = getattr(parent, attr)
+        setattr(parent, attr, QuantLinear(lin.in_features, parts, lin.bias))
+    if not isinstance(emb, str): model.embed_tokens = QuantEmbedding(*emb, cfg.hidden_size, dtype)
+    if not isinstance(head_part, str): model.lm_head = QuantLinear(cfg.hidden_size, [head_part])
+    counts = {}
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            for f in m.formats: counts[f.name] = counts.get(f.name, 0) + 1
+    logger.info('%s served natively: %s linears as stored%s', Path(gguf).name,
+                ', '.join(f'{v} {k}' for k, v in sorted(counts.items())),
+                '' if isinstance(emb, str) else f', embedding {emb[0].name}')
+    for name, reason in why.items():
+        logger.info('%s dequantized to %s (%s)', name, str(dtype).replace('torch.', ''), reason)
+    return model.eval().requires_grad_(False)
+
+
+# %% ../nbs/06_weights.ipynb #a1c5f1c3
+def quantize_linears_int8(model: nn.Module) -> int:
+    "Replace each `nn.Linear` of `model` by an int8 `QuantLinear` (per-channel, symmetric); the bytes saved."
+    from minisgl.quant import QUANT_FORMATS, QuantLinear, quantize_int8
+    saved = 0
+    for mod in list(model.modules()):
+        for name, child in list(mod.named_children()):
+            if isinstance(child, nn.Linear) and child.in_features % 64 == 0:
+                q = QuantLinear(child.in_features, [(QUANT_FORMATS['I8'], quantize_int8(child.weight))], child.bias)
+                setattr(mod, name, q)
+                tied = getattr(model, 'embed_tokens', None) is not None and child.weight is model.embed_tokens.weight
+                saved += (0 if tied else child.weight.numel() * child.weight.element_size()) - q.nbytes
+    return saved
 
 # %% ../nbs/06_weights.ipynb #8cb7047f
 def load_tokenizer(model: str | Path | None = None):

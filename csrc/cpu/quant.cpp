@@ -248,11 +248,12 @@ MINISGL_TQ inline __m512i pair_index(int p, bool halves) {
   return _mm512_load_si512(idx);
 }
 
-MINISGL_TQ inline __m512i nibbles(const uint8_t* q) {   // 32 bytes -> low nibbles | high nibbles
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
-  const __m256i m = _mm256_set1_epi8(15);
-  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, m)),
-                            _mm256_and_si256(_mm256_srli_epi16(v, 4), m), 1);
+// 32 bytes -> their low nibbles (bytes 0-31) | their high nibbles (32-63): the 32 bytes loaded into both halves,
+// the upper half shifted right by 4 (a per-lane shift count), then masked: three instructions.
+MINISGL_TQ inline __m512i nibbles(const uint8_t* q) {
+  const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
+  const __m512i shift = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0);
+  return _mm512_and_si512(_mm512_srlv_epi64(v, shift), _mm512_set1_epi8(15));
 }
 
 // y[:, n0:n1] for one format T and MC rows of x from m0 (a compile-time count: the accumulators stay in registers).

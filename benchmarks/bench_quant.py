@@ -1,0 +1,123 @@
+"""Quantized weights (chapter quant): decode tok/s of the embedded Q4_1 GGUF served natively (`--quantization gguf`),
+dequantized to bf16 (`none`) and as int8 weights (`int8`), against llama.cpp's `llama-bench` on the same file, in one run.
+
+- single-request decode and batches of 8 and 32 requests decoding together: `LLM.generate` of B prompts of
+  `--prompt-len` tokens, timed with `max_tokens=1` (prefill + one token) and with `1 + new` tokens; the decode rate
+  is B * new / (the difference), medians over `--reps`;
+- the weight-read bound of each mode: the bytes of weights one decode step reads (the linears and, for the LM head,
+  its table) over the read bandwidth measured here (a torch sum over a buffer of the same size);
+- llama.cpp: `llama-bench -n new -p 0` (a single request), if `--llama-bench PATH` is given.
+
+    .venv/bin/python benchmarks/bench_quant.py --llama-bench /path/to/llama-bench --out benchmarks/results/quant.json
+
+Every figure names the CPU it ran on (lscpu's model name and flags) and the caps in force (MINISGL_CPU_ISA,
+ONEDNN_MAX_CPU_ISA).
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+
+def cpu_info() -> dict:
+    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    get = lambda key: next((l.split(":", 1)[1].strip() for l in out.splitlines() if l.startswith(key)), "")
+    flags = sorted(f for f in get("Flags").split() if f.startswith(("avx", "amx")))
+    return {"cpu": get("Model name"), "flags": flags, "threads": torch.get_num_threads(),
+            "caps": {k: os.environ.get(k, "") for k in ("MINISGL_CPU_ISA", "ONEDNN_MAX_CPU_ISA")}}
+
+
+def read_bandwidth(nbytes: int) -> float:
+    buf = torch.ones(nbytes // 4)
+    def once():
+        t = time.perf_counter(); buf.sum(); return time.perf_counter() - t
+    once()
+    return nbytes / statistics.median(once() for _ in range(7))
+
+
+def step_bytes(model) -> int:
+    "Bytes of weights one decode step reads: every linear's weight (quantized or dense), the LM head included."
+    from minisgl.linear import PackedLinear
+    from minisgl.quant import QuantLinear
+    total = 0
+    for m in model.modules():
+        if isinstance(m, QuantLinear): total += m.nbytes
+        elif isinstance(m, (torch.nn.Linear, PackedLinear)):
+            w = m.weight if m.weight is not None else getattr(m, "tiles", None)
+            total += w.numel() * w.element_size()
+    return total
+
+
+def decode_rates(llm, batches, prompt_len, new, reps) -> dict:
+    from minisgl.core import SamplingParams
+    tok = llm.engine.tokenizer if hasattr(llm, "engine") else None
+    words = "the quick brown fox jumps over a lazy dog while it rains on the hills far away".split()
+    out = {}
+    for b in batches:
+        prompts = [" ".join(words[(i + j) % len(words)] for j in range(prompt_len)) for i in range(b)]
+        def run(n):
+            p = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+            t = time.perf_counter(); llm.generate(prompts, p); return time.perf_counter() - t
+        run(2)
+        rates = []
+        for _ in range(reps):
+            t1, t2 = run(1), run(1 + new)
+            rates.append(b * new / max(1e-9, t2 - t1))
+        out[b] = statistics.median(rates)
+        print(f"  batch {b}: {out[b]:.1f} tok/s", flush=True)
+    return out
+
+
+def llama_tg(path: str, gguf: str, threads: int, new: int, reps: int) -> float:
+    r = subprocess.run([path, "-m", gguf, "-t", str(threads), "-p", "0", "-n", str(new), "-r", str(reps), "-o", "json"],
+                       capture_output=True, text=True, timeout=900)
+    if r.returncode != 0: raise RuntimeError(f"llama-bench failed: {r.stderr.strip()[-500:]}")
+    return json.loads(r.stdout)[0]["avg_ts"]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--modes", default="gguf,none,int8")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--llama-bench", default=None, metavar="PATH")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    from minisgl import LLM
+    from minisgl.weights import default_gguf_path
+    info = cpu_info()
+    print(json.dumps(info), flush=True)
+    batches = [int(b) for b in args.batches.split(",")]
+    results, bounds = {}, {}
+    for mode in args.modes.split(","):
+        print(f"minisgl --quantization {mode}", flush=True)
+        llm = LLM(quantization=mode, max_running_reqs=max(batches))
+        nbytes = step_bytes(llm.engine.model)
+        bounds[mode] = {"step_bytes": nbytes, "bound_tok_s": read_bandwidth(nbytes) / nbytes}
+        print(f"  reads {nbytes / 1e6:.0f} MB a step: at most {bounds[mode]['bound_tok_s']:.0f} tok/s for one request", flush=True)
+        results[mode] = decode_rates(llm, batches, args.prompt_len, args.new_tokens, args.reps)
+        llm.shutdown() if hasattr(llm, "shutdown") else None
+        del llm
+    if args.llama_bench:
+        results["llama.cpp"] = {1: llama_tg(args.llama_bench, str(default_gguf_path()), info["threads"], args.new_tokens, args.reps)}
+        print(f"llama.cpp (llama-bench, same file): batch 1: {results['llama.cpp'][1]:.1f} tok/s", flush=True)
+    print("\n| mode | " + " | ".join(f"batch {b}" for b in batches) + " | weight-read bound (1 request) |")
+    print("|---|" + "---:|" * (len(batches) + 1))
+    for mode, r in results.items():
+        cells = [f"{r[b]:.0f}" if b in r else "" for b in batches]
+        bound = f"{bounds[mode]['bound_tok_s']:.0f} ({bounds[mode]['step_bytes'] / 1e6:.0f} MB)" if mode in bounds else ""
+        print(f"| {mode} | " + " | ".join(cells) + f" | {bound} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"machine": info, "run": vars(args), "decode_tok_s": results, "bounds": bounds}, f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
