@@ -130,13 +130,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "all decoder layers of a bf16 decode step of up to 64 rows on the CPU (the loop of CausalLM._decode_layers, "
         "in C++, one parallel region; the GIL is released); weights: 10 per layer, projections plain or packed. "
         "Returns (x, residual), or (logits, residual) given final_norm and lm_head (vocab_size for a packed one); "
-        "amx, fma: which of qkv, o, gate_up, down, lm_head run their packed weight on AMX, on AVX-512 FMAs",
+        "amx, fma: which of qkv, o, gate_up, down, lm_head run their packed weight on AMX, on AVX-512 FMAs; "
+        "quant_weights, quant_types: each projection's quantized parts and their types (4 per layer, then the head; "
+        "an empty list: the dense weight in weights), a quantized head given as an empty tensor with its vocab_size",
         py::arg("x"), py::arg("weights"), py::arg("eps"), py::arg("k_caches"), py::arg("v_caches"), py::arg("cos"),
         py::arg("sin"), py::arg("positions"), py::arg("out_loc"), py::arg("page_table"), py::arg("table_idx"),
         py::arg("seq_lens"), py::arg("num_q_heads"), py::arg("num_kv_heads"), py::arg("scale"),
         py::arg("sliding_windows"), py::arg("final_norm") = py::none(), py::arg("lm_head") = py::none(),
         py::arg("vocab_size") = -1, py::arg("amx") = std::vector<bool>{}, py::arg("fma") = std::vector<bool>{},
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("quant_weights") = std::vector<std::vector<at::Tensor>>{},
+        py::arg("quant_types") = std::vector<std::vector<int64_t>>{}, py::call_guard<py::gil_scoped_release>());
   m.def("quant_row_bytes", &minisgl::quant_row_bytes,
         "bytes of one repacked row of K weights of a quantized type (GGML ids; 100: per-channel int8), -1 if none",
         py::arg("qtype"), py::arg("k"));

@@ -63,7 +63,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_cpu(
     const at::Tensor& table_idx, const at::Tensor& seq_lens, int64_t num_q_heads, int64_t num_kv_heads,
     double scale, const std::vector<int64_t>& sliding_windows, const c10::optional<at::Tensor>& final_norm,
     const c10::optional<at::Tensor>& lm_head, int64_t vocab_size, const std::vector<bool>& amx,
-    const std::vector<bool>& fma);
+    const std::vector<bool>& fma, const std::vector<std::vector<at::Tensor>>& quant_weights = {},
+    const std::vector<std::vector<int64_t>>& quant_types = {});
 
 #ifdef MINISGL_WITH_CUDA
 void store_kv_cuda(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& out_loc, const at::Tensor& k,

@@ -450,7 +450,7 @@ def kernel_plan(specs: dict[tuple[int, int], LinearSpec], kernels: str = 'auto',
     return plan
 
 # %% ../nbs/04c_linear.ipynb #d9a4d2f0
-NATIVE_KERNELS = ('gemv', 'tiles', 'fma', 'amx')   # the kernels chapter 05's one-call decode step runs itself
+NATIVE_KERNELS = ('gemv', 'tiles', 'fma', 'amx', 'q8dot')   # the kernels chapter 05's one-call decode step runs itself (q8dot: chapter quant)
 
 class PackedLinear(nn.Module):
     "An `nn.Linear` (bf16, CPU) that runs the kernel its `KernelPlan` picked for each number of rows."

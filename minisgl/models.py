@@ -15,6 +15,7 @@ from fastcore.basics import patch
 
 from . import kernels
 from .linear import GEMV_MAX_ROWS, LAYOUT, NATIVE_KERNELS, PackedLinear
+from .quant import QuantLinear
 
 # %% auto #0
 __all__ = ['SUPPORTED_MODEL_TYPES', 'ModelConfig', 'rope_inv_freq', 'RotaryEmbedding', 'ForwardContext', 'RMSNorm', 'Attention',
@@ -302,16 +303,13 @@ class DecoderLayer(nn.Module):
 # %% ../nbs/05_models.ipynb #5f227f46
 def _linear_kernel(lin: nn.Module, rows: int) -> str | None:
     "The kernel `lin` runs for `rows` rows: its plan's pick (a `PackedLinear`, chapter 04c), the GEMV for a plain bf16 `nn.Linear` of up to `GEMV_MAX_ROWS`, else None."
-    if isinstance(lin, PackedLinear): return lin.kernel_for(rows)
+    if isinstance(lin, (PackedLinear, QuantLinear)): return lin.kernel_for(rows)
     return 'gemv' if rows <= GEMV_MAX_ROWS and lin.weight is not None and lin.weight.dtype == torch.bfloat16 else None
 
 def _native_weight(lin: nn.Module, rows: int) -> torch.Tensor:
-    "The weight a fused decode step hands its kernel: the packed tiles where the plan picked them (on AMX or not), else the plain weight."
+    "The weight a fused decode step hands its kernel: the packed tiles where the plan picked them (on AMX or not), else the plain weight (None: quantized, handed over as its parts)."
+    if isinstance(lin, QuantLinear): return torch.empty(0)
     return lin.tiles if LAYOUT.get(_linear_kernel(lin, rows)) == 'tiles' else lin.weight
-
-def _quantized(lin: nn.Module) -> bool:
-    "Whether `lin` is a `QuantLinear` (chapter quant), which runs its own plan's kernel in a decode step."
-    return type(lin).__name__ == 'QuantLinear'
 
 def _decode_linear(lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
     "`lin(x)` in a fused decode step: a `PackedLinear` runs its plan's pick itself, a plain bf16 `nn.Linear` of few rows the GEMV."
@@ -347,8 +345,7 @@ class CausalLM(nn.Module):
         self.last_path = 'fused decode' if direct else 'fused layers' if fused else 'modules'   # for logs and tests
         if direct:
             head = logits_idx is None and _linear_kernel(self.lm_head, x.shape[0]) in NATIVE_KERNELS
-            if ctx.tp is not None or not hasattr(kernels.native(), 'decode_layers') or self._has_quantized():
-                # one C++ call has no room for all-reduces, nor (yet) for quantized linears (chapter quant): C++ calls in turn
+            if ctx.tp is not None or not hasattr(kernels.native(), 'decode_layers'):   # one C++ call has no room for all-reduces
                 x, residual = self._decode_layers(x, ctx)
             elif head:
                 return self._decode_layers_native(x, ctx, head=True)   # on to the logits, in the same call
@@ -373,17 +370,12 @@ class CausalLM(nn.Module):
         "The whole vocabulary's logits: under TP each rank computed its slice's, so gather and join them."
         return logits if ctx.tp is None else ctx.tp.gather_vocab(logits)
 
-    def _has_quantized(self) -> bool:
-        "Whether any linear is a `QuantLinear` (looked up once)."
-        if '_quantized' not in self.__dict__: self.__dict__['_quantized'] = any(_quantized(m) for m in self.modules())
-        return self.__dict__['_quantized']
-
     def _direct_decode(self, x: torch.Tensor, ctx: ForwardContext) -> bool:
         "A bf16 decode step that `_decode_layers` can run: every layer matmul's kernel at this batch size is a native one."
         ext, rows, l0 = kernels.native(), x.shape[0], self.layers[0]
         if ctx.is_prefill or self.cfg.qk_norm or x.dtype != torch.bfloat16 or not hasattr(ext, 'linear_gemv'): return False
         lins = (l0.self_attn.qkv_proj, l0.self_attn.o_proj, l0.mlp.gate_up_proj, l0.mlp.down_proj)   # every layer: same shapes
-        if any(_linear_kernel(m, rows) not in NATIVE_KERNELS and not _quantized(m) for m in lins): return False
+        if any(_linear_kernel(m, rows) not in NATIVE_KERNELS for m in lins): return False
         return rows <= GEMV_MAX_ROWS or (rows <= 64 and hasattr(ext, 'decode_layers'))
 
     def _decode_layers(self, x: torch.Tensor, ctx: ForwardContext):
@@ -417,12 +409,16 @@ class CausalLM(nn.Module):
         cache = self.__dict__.setdefault('_native_weights', {})   # per choice of kernels: the parameters (or tiles) themselves
         if kinds not in cache:
             lin = lambda m: _native_weight(m, rows)
+            projs = [m for l in self.layers for m in (l.self_attn.qkv_proj, l.self_attn.o_proj, l.mlp.gate_up_proj, l.mlp.down_proj)]
+            quant = [m.parts if isinstance(m, QuantLinear) else [] for m in projs + [self.lm_head]]   # chapter quant
             cache[kinds] = ([w for l in self.layers for w in (
                 l.input_layernorm.weight, lin(l.self_attn.qkv_proj), l.self_attn.qkv_proj.bias,
                 lin(l.self_attn.o_proj), l.self_attn.o_proj.bias, l.post_attention_layernorm.weight,
                 lin(l.mlp.gate_up_proj), l.mlp.gate_up_proj.bias, lin(l.mlp.down_proj), l.mlp.down_proj.bias)],
-                lin(self.lm_head) if kinds[-1] in NATIVE_KERNELS else None)
-        weights, native_head = cache[kinds]
+                lin(self.lm_head) if kinds[-1] in NATIVE_KERNELS else None,
+                (quant, [m.qtypes if isinstance(m, QuantLinear) else [] for m in projs + [self.lm_head]])
+                if any(quant) else ([], []))
+        weights, native_head, (quant_weights, quant_types) = cache[kinds]
         att = self.layers[0].self_attn
         runs_on = lambda body: [k == body and (i < 4 or head) for i, k in enumerate(kinds)]   # per projection, the head last
         out = kernels.native().decode_layers(
@@ -430,7 +426,7 @@ class CausalLM(nn.Module):
             self.rotary.cos, self.rotary.sin, ctx.positions, ctx.out_loc, ctx.page_table, ctx.table_idx, ctx.seq_lens,
             att.num_heads, att.num_kv_heads, att.scale, [l.self_attn.sliding_window for l in self.layers],
             self.norm.weight if head else None, native_head if head else None, self.lm_head.out_features,
-            runs_on('amx'), runs_on('fma'))
+            runs_on('amx'), runs_on('fma'), quant_weights, quant_types)
         return out[0] if head else out
 
     def can_fuse(self, x: torch.Tensor, ctx: ForwardContext) -> bool:

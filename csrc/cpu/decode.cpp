@@ -52,6 +52,7 @@
 #include "../ops.h"
 #include "attention_plan.h"
 #include "gemv.h"
+#include "quant.h"
 
 namespace minisgl {
 namespace {
@@ -80,15 +81,28 @@ class SpinBarrier {
   std::atomic<uint32_t> gen_{0};
 };
 
-// One projection of the step: the GEMV over a plain weight, or the tiles over a packed one.
+// One projection of the step: the GEMV over a plain weight, the tiles over a packed one, or the quantized kernel
+// (quant.cpp) over quantized parts, whose activations are quantized first into `act` (one per input width).
 struct LinearPlan {
-  bool tiles = false;
+  bool tiles = false, quant = false;
   GemvPlan gemv;
   TilesPlan tp;
-  int64_t parts() const { return tiles ? tp.parts : gemv.parts; }
+  QuantPlan qp;
+  QAct* act = nullptr;
+  int64_t parts() const { return quant ? qp.nparts : tiles ? tp.parts : gemv.parts; }
   void run(int64_t part, const at::Tensor& x, const at::Tensor& y, YFormat yf) const {
-    if (tiles) run_tiles_part(tp, x.data_ptr(), x.stride(0), x.size(0), y.data_ptr(), y.stride(0), yf, part);
+    if (quant) run_quant_part(qp, *act, act->xf.data(), part, y.data_ptr(), y.stride(0), yf);
+    else if (tiles) run_tiles_part(tp, x.data_ptr(), x.stride(0), x.size(0), y.data_ptr(), y.stride(0), yf, part);
     else run_gemv_part(gemv, x.data_ptr(), x.stride(0), true, y.data_ptr(), y.stride(0), yf, part);
+  }
+  // rows [r0, r1) of the bf16 input quantized for the kernel (the portable path: widened to fp32)
+  void prepare_rows(const at::Tensor& x, int64_t r0, int64_t r1) const {
+    const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+    if (qp.vnni) act->quantize_rows(xb, x.stride(0), r0, r1);
+    else
+      for (int64_t m = r0; m < r1; ++m)
+        for (int64_t k = 0; k < qp.K; ++k)
+          act->xf[m * qp.K + k] = __builtin_bit_cast(float, uint32_t(xb[m * x.stride(0) + k]) << 16);
   }
 };
 
@@ -107,7 +121,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_cpu(
     const at::Tensor& table_idx, const at::Tensor& seq_lens, int64_t num_q_heads, int64_t num_kv_heads,
     double scale, const std::vector<int64_t>& sliding_windows, const c10::optional<at::Tensor>& final_norm,
     const c10::optional<at::Tensor>& lm_head, int64_t vocab_size, const std::vector<bool>& amx,
-    const std::vector<bool>& fma) {
+    const std::vector<bool>& fma, const std::vector<std::vector<at::Tensor>>& quant_weights,
+    const std::vector<std::vector<int64_t>>& quant_types) {
   const char* fn = "decode_layers";
   TORCH_CHECK(amx.empty() || amx.size() == 5, fn, ": amx must be empty or name 5 projections (qkv, o, gate_up, down, "
               "lm_head), got ", amx.size());
@@ -135,9 +150,34 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_cpu(
                 fn, ": ", what, " of layer ", l, " must be a contiguous bfloat16 CPU tensor [", H, "]");
     return *w;
   };
+  TORCH_CHECK(quant_weights.size() == quant_types.size() && (quant_weights.empty() || quant_weights.size() == 4 * L + 1),
+              fn, ": quant_weights and quant_types name every projection (4 per layer, then the LM head), or none");
+  std::map<int64_t, std::unique_ptr<QAct>> acts;   // one per input width of the quantized projections
   auto linear = [&](const c10::optional<at::Tensor>& w, const c10::optional<at::Tensor>& b, int64_t rows,
-                    int64_t cols, const char* what, size_t l, TilesBody tiles) {
-    TORCH_CHECK(w.has_value() && w->defined(), fn, ": ", what, " of layer ", l, " is missing");
+                    int64_t cols, const char* what, size_t l, TilesBody tiles, size_t qi) {
+    const float* qbias = nullptr;
+    const bool quantized = !quant_weights.empty() && !quant_weights[qi].empty();
+    if (quantized || !(w.has_value() && w->defined())) {
+      TORCH_CHECK(quantized, fn, ": ", what, " of layer ", l, " is missing");
+      if (b.has_value() && b->defined()) {
+        TORCH_CHECK(b->device().is_cpu() && b->dim() == 1 && b->size(0) == rows, fn, ": bias of ", what, " of layer ",
+                    l, " must be a CPU tensor of shape [", rows, "], got ", b->sizes());
+        biases.push_back(b->to(at::kFloat).contiguous());
+        qbias = biases.back().data_ptr<float>();
+      }
+      LinearPlan p;
+      p.quant = true;
+      p.qp = make_quant_plan(quant_weights[qi], quant_types[qi], cols, qbias, nt * kTilesPartsPerThread);
+      TORCH_CHECK(p.qp.N == rows, fn, ": quantized ", what, " of layer ", l, " has ", p.qp.N, " rows, expected ", rows);
+      auto& act = acts[cols];
+      if (!act) {
+        act.reset(new QAct());
+        act->reset(n, cols);
+        if (!p.qp.vnni) act->xf.resize(n * cols);
+      }
+      p.act = act.get();
+      return p;
+    }
     TORCH_CHECK(w->device().is_cpu() && w->scalar_type() == at::kBFloat16 && w->is_contiguous(), fn, ": ", what,
                 " of layer ", l, " must be a contiguous bfloat16 CPU tensor, got ", w->scalar_type());
     const float* bp = nullptr;
@@ -166,9 +206,22 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_cpu(
   const int64_t QKV = (Hq + 2 * Hkv) * D;
   // gate_up's rows (2 x intermediate) from down_proj's columns: plain [H, I] or packed [ceil(H/16), I/2, 16, 2]
   const auto& down0 = weights[8];
-  TORCH_CHECK(down0.has_value() && down0->defined() && (down0->dim() == 2 || down0->dim() == 4), fn,
-              ": down_proj of layer 0 is missing");
-  const int64_t I2 = 2 * (down0->dim() == 2 ? down0->size(1) : 2 * down0->size(1));
+  const bool down0_quantized = !quant_weights.empty() && !quant_weights[3].empty();
+  TORCH_CHECK(down0_quantized || (down0.has_value() && down0->defined() && (down0->dim() == 2 || down0->dim() == 4)),
+              fn, ": down_proj of layer 0 is missing");
+  // a quantized down_proj's columns: from gate_up's rows (its parts' rows, or its plain/packed weight)
+  auto rows_of_gate_up = [&]() -> int64_t {
+    if (!quant_weights.empty() && !quant_weights[2].empty()) {
+      int64_t r = 0;
+      for (const auto& t : quant_weights[2]) r += t.size(0);
+      return r;
+    }
+    const auto& g = weights[6];
+    TORCH_CHECK(g.has_value() && g->defined(), fn, ": gate_up_proj of layer 0 is missing");
+    return g->dim() == 2 ? g->size(0) : g->size(0) * 16;
+  };
+  const int64_t I2 = down0_quantized ? rows_of_gate_up()
+                                     : 2 * (down0->dim() == 2 ? down0->size(1) : 2 * down0->size(1));
   TORCH_CHECK(I2 > 0 && I2 % 2 == 0, fn, ": gate_up_proj must have an even, non-zero number of rows");
   struct Layer {
     const at::Tensor *ln1, *ln2;
@@ -181,10 +234,10 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_cpu(
     Layer& ly = layers[l];
     ly.ln1 = &norm_weight(weights[w + 0], "input_layernorm", l);
     ly.ln2 = &norm_weight(weights[w + 5], "post_attention_layernorm", l);
-    ly.qkv = linear(weights[w + 1], weights[w + 2], QKV, H, "qkv_proj", l, body(0));
-    ly.o = linear(weights[w + 3], weights[w + 4], H, Hq * D, "o_proj", l, body(1));
-    ly.gate_up = linear(weights[w + 6], weights[w + 7], I2, H, "gate_up_proj", l, body(2));
-    ly.down = linear(weights[w + 8], weights[w + 9], H, I2 / 2, "down_proj", l, body(3));
+    ly.qkv = linear(weights[w + 1], weights[w + 2], QKV, H, "qkv_proj", l, body(0), 4 * l);
+    ly.o = linear(weights[w + 3], weights[w + 4], H, Hq * D, "o_proj", l, body(1), 4 * l + 1);
+    ly.gate_up = linear(weights[w + 6], weights[w + 7], I2, H, "gate_up_proj", l, body(2), 4 * l + 2);
+    ly.down = linear(weights[w + 8], weights[w + 9], H, I2 / 2, "down_proj", l, body(3), 4 * l + 3);
     TORCH_CHECK(k_caches[l].dim() == 3 && k_caches[l].size(1) == Hkv && k_caches[l].size(2) == D &&
                     k_caches[l].sizes() == k_caches[0].sizes() && k_caches[l].scalar_type() == at::kBFloat16,
                 fn, ": every layer's caches must be bfloat16 [slots, ", Hkv, ", ", D, "] like layer 0's, got ",
@@ -220,9 +273,10 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_cpu(
   at::Tensor logits;
   if (has_head) {
     norm_weight(final_norm, "final_norm", L);
-    const int64_t V = lm_head->dim() == 4 ? vocab_size : lm_head->size(0);
-    TORCH_CHECK(V >= 1, fn, ": a packed lm_head needs vocab_size");
-    head_plan = linear(lm_head, c10::nullopt, V, H, "lm_head", L, body(4));
+    const int64_t V = lm_head->dim() == 4 || lm_head->dim() == 1 ? vocab_size : lm_head->size(0);
+    TORCH_CHECK(V >= 1, fn, ": a packed or quantized lm_head needs vocab_size");
+    head_plan = linear(lm_head->dim() == 1 ? c10::optional<at::Tensor>() : lm_head, c10::nullopt, V, H, "lm_head", L,
+                       body(4), 4 * L);
     logits = at::empty({n, V}, x_in.options().dtype(at::kFloat));
   }
 
@@ -243,6 +297,14 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_cpu(
   {
     const int tid = omp_get_thread_num(), team = omp_get_num_threads();
     int64_t part_base = 0;  // this thread's count of next_part at the start of the current matmul
+    // A quantized matmul's activations, rows split over the threads (all on thread 0 for a small batch).
+    auto prepare = [&](const LinearPlan& p, const at::Tensor& in) {
+      const int64_t per = n <= kSerialRows ? n : (n + team - 1) / team;
+      const int64_t r0 = n <= kSerialRows ? (tid == 0 ? 0 : n) : std::min<int64_t>(n, tid * per);
+      const int64_t r1 = std::min<int64_t>(n, r0 + per);
+      if (r0 < r1) p.prepare_rows(in, r0, r1);
+      barrier.wait(team);
+    };
     // Runs the parts of a matmul, first come first served, so that a thread the machine slows down takes fewer
     // of them. Every thread's last fetch_add overshoots by one, so the counter ends each matmul at
     // part_base + parts + team, which every thread knows without reading it.
@@ -253,6 +315,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_cpu(
     };
     auto matmul = [&](const LinearPlan& p, const at::Tensor& in, const at::Tensor& out,
                       YFormat yf = YFormat::bf16) {
+      if (p.quant) prepare(p, in);
       take_parts(p, in, out, yf);
       barrier.wait(team);
     };
@@ -319,7 +382,10 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_cpu(
             at::Tensor xs = x.narrow(0, r, c), rs = residual.narrow(0, r, c);
             fused_add_rms_norm_cpu(xs, rs, *final_norm, eps);
           }))
+      {
+        if (head_plan.quant) prepare(head_plan, x);
         take_parts(head_plan, x, logits, YFormat::f32_bf16_rounded);
+      }
     }
     release_amx();  // where a matmul or the attention ran on AMX
     // Thread 0 reaches the region's closing barrier last: with OMP_WAIT_POLICY=PASSIVE a thread that waits

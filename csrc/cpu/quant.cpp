@@ -159,62 +159,44 @@ void dequant_row(int64_t t, const uint8_t* r, int64_t K, float* y) {
 }
 
 // ---------------------------------------------------------------- activations
-// x [M, K] quantized per block of 32: q8 (64-byte aligned rows), and per row the zmm-ready scale of each pair of
-// blocks (dx of block a in lanes 0-7, of b in 8-15), and dx * sum(q8) per block of 32 and per half of 16.
-struct QAct {
-  int64_t M = 0, K = 0, Kp = 0;   // Kp: K rounded up to 64
-  std::vector<int8_t> q8;        // [M, Kp] (+ 64 bytes of slack for alignment)
-  std::vector<float> dpair;      // [M, K/64, 16]
-  std::vector<float> s32;        // [M, K/32]
-  std::vector<float> s16;        // [M, K/16]
-  int64_t q8_off = 0;
-  const int8_t* q(int64_t m) const { return q8.data() + q8_off + m * Kp; }
-};
-
 template <typename T>
 inline float as_f32(T v) { return static_cast<float>(v); }
+inline float as_f32(uint16_t v) { return __builtin_bit_cast(float, uint32_t(v) << 16); }
 
 template <typename T>
-void quantize_x(const T* x, int64_t xs, int64_t M, int64_t K, QAct& a) {
-  a.M = M; a.K = K; a.Kp = (K + 63) / 64 * 64;
-  a.q8.assign(M * a.Kp + 64, 0);
-  a.q8_off = (64 - reinterpret_cast<uintptr_t>(a.q8.data()) % 64) % 64;
-  const int64_t nb = K / 32;
-  a.dpair.assign(M * (K / 64) * 16, 0.f);
-  a.s32.assign(M * nb, 0.f);
-  a.s16.assign(M * nb * 2, 0.f);
-  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) {
-      const T* xr = x + m * xs;
-      int8_t* q = a.q8.data() + a.q8_off + m * a.Kp;
-      for (int64_t j = 0; j < nb; ++j) {
-        float amax = 0.f;
-        for (int l = 0; l < 32; ++l) amax = std::max(amax, std::fabs(as_f32(xr[j * 32 + l])));
-        const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
-        int sum[2] = {0, 0};
-        for (int l = 0; l < 32; ++l) {
-          const int v = static_cast<int>(std::nearbyint(as_f32(xr[j * 32 + l]) * id));
-          q[j * 32 + l] = static_cast<int8_t>(v);
-          sum[l / 16] += v;
-        }
-        a.s16[(m * nb + j) * 2] = d * static_cast<float>(sum[0]);
-        a.s16[(m * nb + j) * 2 + 1] = d * static_cast<float>(sum[1]);
-        a.s32[m * nb + j] = d * static_cast<float>(sum[0] + sum[1]);
-        float* dp = a.dpair.data() + (m * (K / 64) + j / 2) * 16 + (j % 2) * 8;
-        for (int l = 0; l < 8; ++l) dp[l] = d;
+void quantize_rows_of(QAct& a, const T* x, int64_t xs, int64_t m0, int64_t m1) {
+  const int64_t K = a.K, nb = K / 32;
+  for (int64_t m = m0; m < m1; ++m) {
+    const T* xr = x + m * xs;
+    int8_t* q = a.q8.data() + a.q8_off + m * a.Kp;
+    for (int64_t j = 0; j < nb; ++j) {
+      float v[32], amax = 0.f;
+      for (int l = 0; l < 32; ++l) { v[l] = as_f32(xr[j * 32 + l]); amax = std::max(amax, std::fabs(v[l])); }
+      const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+      int sum[2] = {0, 0};
+      for (int l = 0; l < 32; ++l) {
+        const int r = static_cast<int>(std::nearbyint(v[l] * id));
+        q[j * 32 + l] = static_cast<int8_t>(r);
+        sum[l / 16] += r;
       }
+      a.s16[(m * nb + j) * 2] = d * static_cast<float>(sum[0]);
+      a.s16[(m * nb + j) * 2 + 1] = d * static_cast<float>(sum[1]);
+      a.s32[m * nb + j] = d * static_cast<float>(sum[0] + sum[1]);
+      float* dp = a.dpair.data() + (m * (K / 64) + j / 2) * 16 + (j % 2) * 8;
+      for (int l = 0; l < 8; ++l) dp[l] = d;
     }
-  });
+  }
 }
 
-// Where y goes: [M, ys] fp32 or bf16, columns from col0.
+// Where y goes: [M, ys] fp32 (holding bf16-rounded values if `rounded`) or bf16.
 struct YOut {
   float* f = nullptr;
   uint16_t* b = nullptr;
   int64_t ys = 0;
+  bool rounded = false;
   void put(int64_t m, int64_t n, float v) const {
     if (b) b[m * ys + n] = c10::BFloat16(v).x;
-    else f[m * ys + n] = v;
+    else f[m * ys + n] = rounded ? static_cast<float>(c10::BFloat16(v)) : v;
   }
 };
 
@@ -402,7 +384,66 @@ void check_weight(const at::Tensor& w, int64_t t, int64_t K, const char* fn) {
   TORCH_CHECK(w.size(1) == rb, fn, ": rows of type ", t, " with K=", K, " are ", rb, " bytes, got ", w.size(1));
 }
 
+// Rows [r0, r1) of one part, for every row of x: blocks of 16 weight rows, each read by every chunk of 8 rows of x
+// while it is in L1.
+void part_rows(const QuantPlan& p, const QuantPlan::Part& pt, int64_t r0, int64_t r1, const QAct& a, const float* xf,
+               const YOut& out) {
+  const float* bias = p.bias ? p.bias + pt.start : nullptr;
+  if (!p.vnni) { rows_portable(pt.qtype, pt.w, pt.rb, p.K, r0, r1, xf, a.M, bias, out, pt.start); return; }
+#ifdef MINISGL_Q_X86
+  for (int64_t b0 = r0; b0 < r1; b0 += 16) {
+    const int64_t b1 = std::min(b0 + 16, r1);
+    for (int64_t m0 = 0; m0 < a.M; m0 += kMC) {
+      const int mc = static_cast<int>(std::min<int64_t>(kMC, a.M - m0));
+      vnni_rows(pt.qtype, mc)(pt.w, pt.rb, p.K, b0, b1, a, m0, bias, out, pt.start);
+    }
+  }
+#endif
+}
+
 }  // namespace
+
+void QAct::reset(int64_t m, int64_t k) {
+  M = m; K = k; Kp = (k + 63) / 64 * 64;
+  if (static_cast<int64_t>(q8.size()) < M * Kp + 64) q8.resize(M * Kp + 64);
+  q8_off = (64 - reinterpret_cast<uintptr_t>(q8.data()) % 64) % 64;
+  dpair.resize(M * (K / 64) * 16);
+  s32.resize(M * (K / 32));
+  s16.resize(M * (K / 16));
+}
+void QAct::quantize_rows(const float* x, int64_t xs, int64_t m0, int64_t m1) { quantize_rows_of(*this, x, xs, m0, m1); }
+void QAct::quantize_rows(const uint16_t* x, int64_t xs, int64_t m0, int64_t m1) { quantize_rows_of(*this, x, xs, m0, m1); }
+
+QuantPlan make_quant_plan(const std::vector<at::Tensor>& weights, const std::vector<int64_t>& qtypes, int64_t K,
+                          const float* bias, int64_t nparts) {
+  TORCH_CHECK(!weights.empty() && weights.size() == qtypes.size(), "quant_linear: one type per weight part");
+  QuantPlan p;
+  p.K = K;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    check_weight(weights[i], qtypes[i], K, "quant_linear");
+    p.parts.push_back({weights[i].data_ptr<uint8_t>(), qtypes[i], weights[i].size(0), weights[i].size(1), p.N});
+    p.N += weights[i].size(0);
+  }
+  p.bias = bias;
+  p.vnni = vnni_here();
+  p.nparts = std::max<int64_t>(1, std::min<int64_t>(nparts, (p.N + 15) / 16));
+  p.per = ((p.N + p.nparts - 1) / p.nparts + 15) / 16 * 16;   // whole blocks of 16 rows
+  p.nparts = (p.N + p.per - 1) / p.per;
+  return p;
+}
+
+void run_quant_part(const QuantPlan& p, const QAct& a, const float* xf, int64_t part, void* y, int64_t ys, YFormat yf) {
+  YOut out;
+  out.ys = ys;
+  if (yf == YFormat::bf16) out.b = static_cast<uint16_t*>(y);
+  else { out.f = static_cast<float*>(y); out.rounded = yf == YFormat::f32_bf16_rounded; }
+  const int64_t n0 = part * p.per, n1 = std::min(p.N, n0 + p.per);
+  for (const auto& pt : p.parts) {   // a range may span two parts
+    const int64_t r0 = std::max(n0, pt.start), r1 = std::min(n1, pt.start + pt.rows);
+    if (r0 < r1) part_rows(p, pt, r0 - pt.start, r1 - pt.start, a, xf, out);
+  }
+}
+
 }  // namespace cpu
 
 int64_t quant_row_bytes(int64_t qtype, int64_t K) { return cpu::row_bytes(qtype, K); }
@@ -436,65 +477,34 @@ at::Tensor quant_dequantize_cpu(const at::Tensor& w, int64_t qtype, int64_t K, c
 // vnni: -1 the best here, 0 the portable path, 1 VNNI (checked).
 at::Tensor quant_linear_cpu(const at::Tensor& x, const std::vector<at::Tensor>& weights,
                             const std::vector<int64_t>& qtypes, const c10::optional<at::Tensor>& bias, int64_t vnni) {
-  TORCH_CHECK(!weights.empty() && weights.size() == qtypes.size(), "quant_linear: one type per weight part");
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "quant_linear: x must be a 2-D CPU tensor, got ", x.sizes());
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "quant_linear: x must be float32 or bfloat16, got ", x.scalar_type());
   const int64_t M = x.size(0), K = x.size(1);
-  std::vector<int64_t> start{0};
-  for (size_t i = 0; i < weights.size(); ++i) {
-    cpu::check_weight(weights[i], qtypes[i], K, "quant_linear");
-    start.push_back(start.back() + weights[i].size(0));
-  }
-  const int64_t N = start.back();
-  const float* bp = nullptr;
+  const int nt = std::max(1, at::get_num_threads());
   at::Tensor bf;
-  if (bias) {
-    TORCH_CHECK(bias->numel() == N, "quant_linear: bias must have ", N, " entries, got ", bias->numel());
-    bf = bias->to(at::kFloat).contiguous();
-    bp = bf.data_ptr<float>();
-  }
-  const bool use_vnni = vnni < 0 ? cpu::vnni_here() : vnni == 1;
-  TORCH_CHECK(!use_vnni || cpu::vnni_here(), "quant_linear: VNNI asked for but not available here");
-  at::Tensor y = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return y;
-  at::Tensor xc = x.contiguous();
-  cpu::YOut out;
-  out.ys = N;
-  if (x.scalar_type() == at::kFloat) out.f = y.data_ptr<float>();
-  else out.b = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-  cpu::QAct act;
+  if (bias) bf = bias->to(at::kFloat).contiguous();
+  cpu::QuantPlan p = cpu::make_quant_plan(weights, qtypes, K, bias ? bf.data_ptr<float>() : nullptr, 4 * nt);
+  TORCH_CHECK(!bias || bias->numel() == p.N, "quant_linear: bias must have ", p.N, " entries, got ", bias->numel());
+  TORCH_CHECK(vnni != 1 || p.vnni, "quant_linear: VNNI asked for but not available here");
+  if (vnni == 0) p.vnni = false;
+  at::Tensor y = at::empty({M, p.N}, x.options());
+  if (M == 0 || p.N == 0) return y;
+  const at::Tensor xc = x.contiguous();
+  static thread_local cpu::QAct act_buf;   // reused: no allocation per call (the calling thread's)
+  cpu::QAct& act = act_buf;                // a reference: the worker threads below must read THIS thread's buffer
+  act.reset(M, K);
   at::Tensor xf;
-  if (use_vnni) {
-    if (x.scalar_type() == at::kFloat) cpu::quantize_x(xc.data_ptr<float>(), K, M, K, act);
-    else cpu::quantize_x(xc.data_ptr<at::BFloat16>(), K, M, K, act);
+  if (p.vnni) {
+    if (x.scalar_type() == at::kFloat) act.quantize_rows(xc.data_ptr<float>(), K, 0, M);
+    else act.quantize_rows(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), K, 0, M);
   } else {
     xf = xc.to(at::kFloat).contiguous();
   }
-  // threads take contiguous ranges of the outputs of all parts together; a range may span two parts
-  const int64_t grain = std::max<int64_t>(4, N / (8 * std::max(1, at::get_num_threads())));
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    for (size_t p = 0; p < weights.size(); ++p) {
-      const int64_t a = std::max(n0, start[p]), b = std::min(n1, start[p + 1]);
-      if (a >= b) continue;
-      const uint8_t* wp = weights[p].data_ptr<uint8_t>();
-      const int64_t rb = weights[p].size(1), t = qtypes[p];
-      const float* bpp = bp ? bp + start[p] : nullptr;
-      if (!use_vnni) {
-        cpu::rows_portable(t, wp, rb, K, a - start[p], b - start[p], xf.data_ptr<float>(), M, bpp, out, start[p]);
-        continue;
-      }
-#ifdef MINISGL_Q_X86
-      // blocks of 16 weight rows, each read by every chunk of 8 rows of x while it is in L1
-      for (int64_t r0 = a - start[p]; r0 < b - start[p]; r0 += 16) {
-        const int64_t r1 = std::min(r0 + 16, b - start[p]);
-        for (int64_t m0 = 0; m0 < M; m0 += cpu::kMC) {
-          const int mc = static_cast<int>(std::min<int64_t>(cpu::kMC, M - m0));
-          cpu::vnni_rows(t, mc)(wp, rb, K, r0, r1, act, m0, bpp, out, start[p]);
-        }
-      }
-#endif
-    }
+  const cpu::YFormat yf = x.scalar_type() == at::kFloat ? cpu::YFormat::f32 : cpu::YFormat::bf16;
+  at::parallel_for(0, p.nparts, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      cpu::run_quant_part(p, act, xf.defined() ? xf.data_ptr<float>() : nullptr, t, y.data_ptr(), p.N, yf);
   });
   return y;
 }

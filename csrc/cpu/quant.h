@@ -6,7 +6,46 @@
 #include <cstdint>
 #include <vector>
 
+#include "gemv.h"
+
 namespace minisgl {
+namespace cpu {
+
+// Activations [M, K] quantized per block of 32 (quant.cpp): q8 in 64-byte aligned rows; per row the zmm-ready
+// scale of each pair of blocks (dx of block a in lanes 0-7, of b in 8-15), and dx * sum(q8) per block of 32 and
+// per half of 16. reset() sizes it; quantize_rows() fills rows [m0, m1) (any threads, disjoint rows).
+struct QAct {
+  int64_t M = 0, K = 0, Kp = 0;   // Kp: K rounded up to 64
+  std::vector<int8_t> q8;        // [M, Kp] (+ 64 bytes of slack for alignment)
+  std::vector<float> dpair;      // [M, K/64, 16]
+  std::vector<float> s32;        // [M, K/32]
+  std::vector<float> s16;        // [M, K/16]
+  std::vector<float> xf;         // [M, K] fp32: the portable path's input (decode.cpp fills it)
+  int64_t q8_off = 0;
+  const int8_t* q(int64_t m) const { return q8.data() + q8_off + m * Kp; }
+  void reset(int64_t M, int64_t K);
+  void quantize_rows(const float* x, int64_t xs, int64_t m0, int64_t m1);
+  void quantize_rows(const uint16_t* x_bf16, int64_t xs, int64_t m0, int64_t m1);
+};
+
+// One linear over quantized parts (rows concatenated), cut into `nparts` ranges of rows for any threads to run.
+struct QuantPlan {
+  struct Part { const uint8_t* w; int64_t qtype, rows, rb, start; };
+  std::vector<Part> parts;
+  int64_t N = 0, K = 0, nparts = 1, per = 0;
+  const float* bias = nullptr;   // fp32 [N] or null; must outlive the plan's runs
+  bool vnni = true;
+};
+
+// Checked: every part's type holds rows of K weights and its tensor is uint8 [rows, row_bytes].
+QuantPlan make_quant_plan(const std::vector<at::Tensor>& weights, const std::vector<int64_t>& qtypes, int64_t K,
+                          const float* bias, int64_t nparts);
+
+// Part `part` of the plan: y[:, rows of the part] for the M rows of `a` (quantized from x); y [M, ys] as yf says.
+// The portable path (no VNNI) reads xf, x as fp32 [M, K], instead of `a`.
+void run_quant_part(const QuantPlan& p, const QAct& a, const float* xf, int64_t part, void* y, int64_t ys, YFormat yf);
+
+}  // namespace cpu
 
 // Bytes of one repacked row of K weights of type qtype (GGML's ids 2 3 8 12 13 14, or 100 for per-channel int8),
 // -1 where that type cannot hold such rows.
