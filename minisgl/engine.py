@@ -177,6 +177,10 @@ class Engine:
 def _load_model(self: Engine) -> CausalLM:
     "The model with all its weights, quantized as `config.quantization` says (a `TPEngine` loads its rank's slice)."
     q = self.quantization = _resolve_quantization(self.config, self.device)
+    if self.device.type == 'cpu':
+        from minisgl.quant import QUANT_FORMATS, vnni_available
+        logger.info('quantized weights run natively here: %s (%s); --quantization %s', ', '.join(QUANT_FORMATS),
+                    'AVX512-VNNI' if vnni_available() else 'portable C++, no AVX512-VNNI', q)
     if q == 'gguf':
         return load_gguf_model(self.model_dir, _gguf_file(self.config.model), self.dtype, self.config.max_seq_len)
     model = load_model(self.model_dir, self.dtype, self.device, self.config.max_seq_len)
