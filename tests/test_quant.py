@@ -160,3 +160,27 @@ def test_server_answers_on_the_native_path():
         assert again.choices[0].message.content == reply.choices[0].message.content   # the bad one harmed nothing
     finally:
         s.kill()
+
+
+def test_one_call_decode_step_equals_the_modules():
+    "bf16: the whole decode step in one C++ call (decode.cpp, quantized parts included) gives the module path's logits."
+    import dataclasses
+    e = Engine(EngineConfig(model=None, dtype="bfloat16", device="cpu", num_pages=64, max_seq_len=256,
+                            quantization="gguf"), progress=False)
+    m, n = e.model, 5
+    for lin in m.modules():   # q8dot whatever the plan picked (a CPU without VNNI may prefer dequantizing)
+        if isinstance(lin, QuantLinear): lin.set_plan([(2048, "q8dot")])
+    slots = torch.arange(n)
+    with torch.inference_mode():
+        m(torch.tensor([1, 504, 3458, 2365, 7000]), slots, ForwardContext(
+            True, slots, slots.view(1, -1), torch.tensor([0]), torch.tensor([n]), torch.tensor([n]), e.kv_caches, e.backend),
+          torch.tensor([n - 1]))
+        for rows in (1, 3):   # one request, and three reading the same prefix
+            d = ForwardContext(False, torch.arange(n, n + rows), torch.arange(n + 3).repeat(rows, 1),
+                               torch.arange(rows) * 0, torch.full((rows,), n + 1), torch.ones(rows, dtype=torch.long),
+                               e.kv_caches, e.backend)
+            ids, pos = torch.tensor([42, 7, 99][:rows]), torch.full((rows,), n)
+            fused = m(ids, pos, d)
+            assert m.last_path == "fused decode"
+            modules = m(ids, pos, dataclasses.replace(d, fused=False))
+            assert torch.equal(fused, modules)
