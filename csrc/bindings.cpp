@@ -132,25 +132,29 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Returns (x, residual), or (logits, residual) given final_norm and lm_head (vocab_size for a packed one); "
         "amx, fma: which of qkv, o, gate_up, down, lm_head run their packed weight on AMX, on AVX-512 FMAs; "
         "quant_weights, quant_types: each projection's quantized parts and their types (4 per layer, then the head; "
-        "an empty list: the dense weight in weights), a quantized head given as an empty tensor with its vocab_size",
+        "an empty list: the dense weight in weights), a quantized head given as an empty tensor with its vocab_size; "
+        "quant_amx: which of them run the AMX kernel rather than VNNI",
         py::arg("x"), py::arg("weights"), py::arg("eps"), py::arg("k_caches"), py::arg("v_caches"), py::arg("cos"),
         py::arg("sin"), py::arg("positions"), py::arg("out_loc"), py::arg("page_table"), py::arg("table_idx"),
         py::arg("seq_lens"), py::arg("num_q_heads"), py::arg("num_kv_heads"), py::arg("scale"),
         py::arg("sliding_windows"), py::arg("final_norm") = py::none(), py::arg("lm_head") = py::none(),
         py::arg("vocab_size") = -1, py::arg("amx") = std::vector<bool>{}, py::arg("fma") = std::vector<bool>{},
         py::arg("quant_weights") = std::vector<std::vector<at::Tensor>>{},
-        py::arg("quant_types") = std::vector<std::vector<int64_t>>{}, py::call_guard<py::gil_scoped_release>());
+        py::arg("quant_types") = std::vector<std::vector<int64_t>>{}, py::arg("quant_amx") = std::vector<bool>{},
+        py::call_guard<py::gil_scoped_release>());
   m.def("quant_row_bytes", &minisgl::quant_row_bytes,
         "bytes of one repacked row of K weights of a quantized type (GGML ids; 100: per-channel int8), -1 if none",
         py::arg("qtype"), py::arg("k"));
   m.def("quant_vnni_available", &minisgl::quant_vnni_available,
         "whether quant_linear runs its AVX512-VNNI kernel here (MINISGL_CPU_ISA not capping it below avx512)");
+  m.def("quant_amx_available", &minisgl::cpu::quant_amx_here,
+        "whether quant_linear(..., vnni=2) runs here: AMX-BF16 with the tile state lent, MINISGL_CPU_ISA not capping it");
   m.def("quant_dequantize", &minisgl::quant_dequantize_cpu,
         "fp32 [rows, K] of a repacked quantized weight (all rows, or those listed), as gguf-py dequantizes",
         py::arg("weight"), py::arg("qtype"), py::arg("k"), py::arg("rows") = py::none());
   m.def("quant_linear", &minisgl::quant_linear_cpu,
         "y = x @ W.T (+ bias) over quantized weight parts (rows concatenated), activations quantized per 32; "
-        "vnni: -1 best here, 0 portable, 1 VNNI",
+        "vnni: -1 best here, 0 portable, 1 VNNI, 2 AMX (bf16 x: 16 x 32 weight tiles dequantized, then tdpbf16ps)",
         py::arg("x"), py::arg("weights"), py::arg("qtypes"), py::arg("bias") = py::none(), py::arg("vnni") = -1,
         py::call_guard<py::gil_scoped_release>());
   m.def("has_cuda", &minisgl::has_cuda, "whether the CUDA kernels were compiled in");

@@ -64,7 +64,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_cpu(
     double scale, const std::vector<int64_t>& sliding_windows, const c10::optional<at::Tensor>& final_norm,
     const c10::optional<at::Tensor>& lm_head, int64_t vocab_size, const std::vector<bool>& amx,
     const std::vector<bool>& fma, const std::vector<std::vector<at::Tensor>>& quant_weights = {},
-    const std::vector<std::vector<int64_t>>& quant_types = {});
+    const std::vector<std::vector<int64_t>>& quant_types = {}, const std::vector<bool>& quant_amx = {});
 
 #ifdef MINISGL_WITH_CUDA
 void store_kv_cuda(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& out_loc, const at::Tensor& k,

@@ -90,7 +90,7 @@ def amx_available() -> bool:
 # %% ../nbs/04c_linear.ipynb #98ce09e2
 KERNELS = ('gemv', 'tiles', 'fma', 'amx', 'onednn', 'torch')
 LAYOUT = {'gemv': 'plain', 'tiles': 'tiles', 'fma': 'tiles', 'amx': 'tiles', 'onednn': 'onednn', 'torch': 'plain',
-          'q8dot': 'quant', 'dequant': 'quant'}   # the last two: quantized weights (chapter `quant`), planned alike
+          'q8dot': 'quant', 'qamx': 'quant', 'dequant': 'quant'}   # the last three: quantized weights (chapter `quant`), planned alike
 ROW_BUCKETS = (1, 2, 3, 4, 8, 16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)   # rows are looked up in the next bucket up
 GEMV_PLAN_MAX_ROWS = 8   # the GEMV's register block: past it every 8 rows stream W again
 
@@ -450,7 +450,7 @@ def kernel_plan(specs: dict[tuple[int, int], LinearSpec], kernels: str = 'auto',
     return plan
 
 # %% ../nbs/04c_linear.ipynb #d9a4d2f0
-NATIVE_KERNELS = ('gemv', 'tiles', 'fma', 'amx', 'q8dot')   # the kernels chapter 05's one-call decode step runs itself (q8dot: chapter quant)
+NATIVE_KERNELS = ('gemv', 'tiles', 'fma', 'amx', 'q8dot', 'qamx')   # the kernels chapter 05's one-call decode step runs itself (q8dot, qamx: chapter quant)
 
 class PackedLinear(nn.Module):
     "An `nn.Linear` (bf16, CPU) that runs the kernel its `KernelPlan` picked for each number of rows."

@@ -416,9 +416,9 @@ class CausalLM(nn.Module):
                 lin(l.self_attn.o_proj), l.self_attn.o_proj.bias, l.post_attention_layernorm.weight,
                 lin(l.mlp.gate_up_proj), l.mlp.gate_up_proj.bias, lin(l.mlp.down_proj), l.mlp.down_proj.bias)],
                 lin(self.lm_head) if kinds[-1] in NATIVE_KERNELS else None,
-                (quant, [m.qtypes if isinstance(m, QuantLinear) else [] for m in projs + [self.lm_head]])
-                if any(quant) else ([], []))
-        weights, native_head, (quant_weights, quant_types) = cache[kinds]
+                (quant, [m.qtypes if isinstance(m, QuantLinear) else [] for m in projs + [self.lm_head]],
+                 [_linear_kernel(m, rows) == 'qamx' for m in projs + [self.lm_head]]) if any(quant) else ([], [], []))
+        weights, native_head, (quant_weights, quant_types, quant_amx) = cache[kinds]
         att = self.layers[0].self_attn
         runs_on = lambda body: [k == body and (i < 4 or head) for i, k in enumerate(kinds)]   # per projection, the head last
         out = kernels.native().decode_layers(
@@ -426,7 +426,7 @@ class CausalLM(nn.Module):
             self.rotary.cos, self.rotary.sin, ctx.positions, ctx.out_loc, ctx.page_table, ctx.table_idx, ctx.seq_lens,
             att.num_heads, att.num_kv_heads, att.scale, [l.self_attn.sliding_window for l in self.layers],
             self.norm.weight if head else None, native_head if head else None, self.lm_head.out_features,
-            runs_on('amx'), runs_on('fma'), quant_weights, quant_types)
+            runs_on('amx'), runs_on('fma'), quant_weights, quant_types, quant_amx)
         return out[0] if head else out
 
     def can_fuse(self, x: torch.Tensor, ctx: ForwardContext) -> bool:

@@ -168,14 +168,16 @@ def test_one_call_decode_step_equals_the_modules():
     e = Engine(EngineConfig(model=None, dtype="bfloat16", device="cpu", num_pages=64, max_seq_len=256,
                             quantization="gguf"), progress=False)
     m, n = e.model, 5
-    for lin in m.modules():   # q8dot whatever the plan picked (a CPU without VNNI may prefer dequantizing)
-        if isinstance(lin, QuantLinear): lin.set_plan([(2048, "q8dot")])
     slots = torch.arange(n)
     with torch.inference_mode():
         m(torch.tensor([1, 504, 3458, 2365, 7000]), slots, ForwardContext(
             True, slots, slots.view(1, -1), torch.tensor([0]), torch.tensor([n]), torch.tensor([n]), e.kv_caches, e.backend),
           torch.tensor([n - 1]))
-        for rows in (1, 3):   # one request, and three reading the same prefix
+        from minisgl.quant import quant_kernel_runs
+        for kernel, rows in [("q8dot", 1), ("q8dot", 3)] + ([("qamx", 3)] if quant_kernel_runs("qamx", torch.bfloat16) else []):
+            for lin in m.modules():   # this kernel whatever the plan picked (a CPU without VNNI may prefer another)
+                if isinstance(lin, QuantLinear): lin.set_plan([(2048, kernel)])
+            m.__dict__.pop("_native_weights", None)
             d = ForwardContext(False, torch.arange(n, n + rows), torch.arange(n + 3).repeat(rows, 1),
                                torch.arange(rows) * 0, torch.full((rows,), n + 1), torch.ones(rows, dtype=torch.long),
                                e.kv_caches, e.backend)

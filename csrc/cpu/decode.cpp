@@ -98,7 +98,8 @@ struct LinearPlan {
   // rows [r0, r1) of the bf16 input quantized for the kernel (the portable path: widened to fp32)
   void prepare_rows(const at::Tensor& x, int64_t r0, int64_t r1) const {
     const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-    if (qp.vnni) act->quantize_rows(xb, x.stride(0), r0, r1);
+    if (qp.amx) act->pack_rows(xb, x.stride(0), r0, r1);
+    else if (qp.vnni) act->quantize_rows(xb, x.stride(0), r0, r1);
     else
       for (int64_t m = r0; m < r1; ++m)
         for (int64_t k = 0; k < qp.K; ++k)
@@ -122,7 +123,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_cpu(
     double scale, const std::vector<int64_t>& sliding_windows, const c10::optional<at::Tensor>& final_norm,
     const c10::optional<at::Tensor>& lm_head, int64_t vocab_size, const std::vector<bool>& amx,
     const std::vector<bool>& fma, const std::vector<std::vector<at::Tensor>>& quant_weights,
-    const std::vector<std::vector<int64_t>>& quant_types) {
+    const std::vector<std::vector<int64_t>>& quant_types, const std::vector<bool>& quant_amx) {
   const char* fn = "decode_layers";
   TORCH_CHECK(amx.empty() || amx.size() == 5, fn, ": amx must be empty or name 5 projections (qkv, o, gate_up, down, "
               "lm_head), got ", amx.size());
@@ -152,6 +153,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_cpu(
   };
   TORCH_CHECK(quant_weights.size() == quant_types.size() && (quant_weights.empty() || quant_weights.size() == 4 * L + 1),
               fn, ": quant_weights and quant_types name every projection (4 per layer, then the LM head), or none");
+  TORCH_CHECK(quant_amx.empty() || quant_amx.size() == quant_weights.size(), fn,
+              ": quant_amx names every projection of quant_weights, or none");
   std::map<int64_t, std::unique_ptr<QAct>> acts;   // one per input width of the quantized projections
   auto linear = [&](const c10::optional<at::Tensor>& w, const c10::optional<at::Tensor>& b, int64_t rows,
                     int64_t cols, const char* what, size_t l, TilesBody tiles, size_t qi) {
@@ -168,11 +171,14 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_cpu(
       LinearPlan p;
       p.quant = true;
       p.qp = make_quant_plan(quant_weights[qi], quant_types[qi], cols, qbias, nt * kTilesPartsPerThread);
+      p.qp.amx = !quant_amx.empty() && quant_amx[qi];
+      TORCH_CHECK(!p.qp.amx || quant_amx_here(), fn, ": ", what, " runs on AMX, which does not run here");
       TORCH_CHECK(p.qp.N == rows, fn, ": quantized ", what, " of layer ", l, " has ", p.qp.N, " rows, expected ", rows);
       auto& act = acts[cols];
       if (!act) {
         act.reset(new QAct());
         act->reset(n, cols);
+        act->reset_packed(n, cols);
         if (!p.qp.vnni) act->xf.resize(n * cols);
       }
       p.act = act.get();

@@ -186,6 +186,9 @@ MINISGL_TAMX void run_amx_part(const TilesPlan& p, const uint16_t* x, int64_t xs
 
 MINISGL_TAMX void amx_tiles_rows(int r0, int r1) { configure(r0, r1); }
 MINISGL_TAMX void amx_tiles_16x64() { configure(16, 16); }
+// The same, loaded whatever this thread believes it holds: code outside minisgl (oneDNN) may have configured or
+// released the tiles on this thread since (quant.cpp's kernel runs beside torch's matmuls).
+MINISGL_TAMX void amx_tiles_16x64_reload() { tile_config = -1; configure(16, 16); }
 
 // Hands the tile state back (the thread's next ldtilecfg takes it again): a thread holding it makes every
 // context switch save and restore 8 KB more. Plain code until it knows the thread holds tiles, so that it runs
@@ -203,6 +206,7 @@ bool amx_available() { return false; }
 void run_amx_part(const TilesPlan&, const uint16_t*, int64_t, int64_t, void*, int64_t, bool, int64_t, int64_t) {}
 void amx_tiles_rows(int, int) {}
 void amx_tiles_16x64() {}
+void amx_tiles_16x64_reload() {}
 void release_amx() {}
 #endif
 

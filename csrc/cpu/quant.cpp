@@ -43,6 +43,7 @@
 #define MINISGL_Q_X86 1
 #endif
 
+#include "amx.h"
 #include "isa.h"
 #include "quant.h"
 
@@ -384,11 +385,139 @@ void check_weight(const at::Tensor& w, int64_t t, int64_t K, const char* fn) {
   TORCH_CHECK(w.size(1) == rb, fn, ": rows of type ", t, " with K=", K, " are ", rb, " bytes, got ", w.size(1));
 }
 
+
+// ---------------------------------------------------------------- AMX: dequantize a tile, multiply in bf16
+// For batches: 16 weight rows x one block of 32 are dequantized into a bf16 tile (A, 16 x 64 bytes), and
+// `tdpbf16ps` multiplies it with up to four tiles of x (B: 16 k-pairs x 16 rows of x, packed once per matmul)
+// into 16 outputs x 16 rows of fp32 sums. The activations are not quantized: the result is the dequantizing
+// path's, computed without writing the bf16 weight anywhere but L1.
+#if defined(MINISGL_Q_X86) && defined(__linux__)
+#define MINISGL_QAMX 1
+#define MINISGL_TQA __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")))
+
+// 32 bytes shifted right by `shift` bits, their low nibbles.
+MINISGL_TQA inline __m256i nib(const uint8_t* q, int shift) {
+  return _mm256_and_si256(_mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)),
+                                           _mm_cvtsi32_si128(shift)), _mm256_set1_epi8(15));
+}
+
+// Block j of one row as 32 bf16 (w = s * u + b, in fp32, rounded once) into out.
+template <int64_t T>
+MINISGL_TQA inline void dequant_block_bf16(const uint8_t* r, int64_t K, int64_t j, uint16_t* out) {
+  const int64_t nb = K / 32, ns = K / 256, g = j / 8, jj = j % 8;
+  float s0, s1, b0, b1;
+  __m256i u;
+  if constexpr (T == Q4_0 || T == Q4_1 || T == Q8_0 || T == I8) {
+    if constexpr (T == I8) { std::memcpy(&s0, r + K, 4); }
+    else s0 = h2f(r + 2 * j);
+    b0 = T == Q4_1 ? h2f(r + 2 * nb + 2 * j) : T == Q4_0 ? -8.f * s0 : -128.f * s0;
+    if constexpr (T == Q4_0 || T == Q4_1) u = nib(r + nb * (T == Q4_0 ? 2 : 4) + (j / 2) * 32, 4 * (j % 2));
+    else u = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + (T == I8 ? 0 : 2 * nb) + j * 32)),
+                              _mm256_set1_epi8(static_cast<char>(0x80)));
+    s1 = s0; b1 = b0;
+  } else if constexpr (T == Q4_K || T == Q5_K) {
+    const uint8_t* sc = r + 4 * ns;
+    s0 = s1 = h2f(r + 2 * g) * static_cast<float>(sc[j]);
+    b0 = b1 = -(h2f(r + 2 * ns + 2 * g) * static_cast<float>(sc[nb + j]));
+    u = nib(r + 4 * ns + 2 * nb + (T == Q5_K ? K / 8 : 0) + g * 128 + (jj / 2) * 32, 4 * (jj % 2));
+    if constexpr (T == Q5_K) {
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + 4 * ns + 2 * nb + g * 32));
+      const __m256i hb = _mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(static_cast<int>(jj))), _mm256_set1_epi8(1));
+      u = _mm256_or_si256(u, _mm256_slli_epi16(hb, 4));
+    }
+  } else {   // Q6_K
+    const int64_t h = jj / 4, t = jj % 4;
+    const float d = h2f(r + 2 * g);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(r + 2 * ns) + g * 16 + h * 8 + 2 * t;
+    s0 = d * static_cast<float>(sc[0]); s1 = d * static_cast<float>(sc[1]);
+    b0 = -32.f * s0; b1 = -32.f * s1;
+    const uint8_t* ql = r + 2 * ns + K / 16 + g * 128 + h * 64 + (t & 1) * 32;
+    const uint8_t* qh = r + 2 * ns + K / 16 + K / 2 + g * 64 + h * 32;
+    const __m256i lo = nib(ql, static_cast<int>((t >> 1) * 4));
+    const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh)),
+                                                         _mm_cvtsi32_si128(static_cast<int>(2 * t))), _mm256_set1_epi8(3));
+    u = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+  }
+  const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(u)));
+  const __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(u, 1)));
+  const __m512 wa = _mm512_fmadd_ps(a, _mm512_set1_ps(s0), _mm512_set1_ps(b0));
+  const __m512 wb = _mm512_fmadd_ps(b, _mm512_set1_ps(s1), _mm512_set1_ps(b1));
+  _mm512_storeu_si512(out, (__m512i)_mm512_cvtne2ps_pbh(wb, wa));
+}
+
+#define MINISGL_TILE_I(op, i, ...) \
+  switch (i) { case 0: op(0, ##__VA_ARGS__); break; case 1: op(1, ##__VA_ARGS__); break; \
+               case 2: op(2, ##__VA_ARGS__); break; default: op(3, ##__VA_ARGS__); break; }
+#define MINISGL_ZERO(t) _tile_zero(t)
+#define MINISGL_DP(t) _tile_dpbf16ps(t, 4, 6)
+#define MINISGL_STORE(t, p) _tile_stored(t, p, 64)
+
+template <int64_t T>
+MINISGL_TQA void rows_amx(const uint8_t* w, int64_t rb, int64_t K, int64_t n0, int64_t n1, const QAct& a,
+                          const float* bias, const YOut& y, int64_t col0) {
+  amx_tiles_16x64_reload();   // torch's matmuls (the dequant kernel) may have released this thread's tiles
+  const int64_t steps = K / 32, chunks = (a.M + 15) / 16;
+  alignas(64) uint16_t abuf[16][32];
+  alignas(64) float c[4][16][16];
+  const __m512i gidx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                          _mm512_set1_epi32(16));
+  for (int64_t nb = n0; nb < n1; nb += 16) {
+    const int rows = static_cast<int>(std::min<int64_t>(16, n1 - nb));
+    if (rows < 16) std::memset(abuf, 0, sizeof(abuf));
+    for (int64_t cg = 0; cg < chunks; cg += 4) {
+      const int ncg = static_cast<int>(std::min<int64_t>(4, chunks - cg));
+      for (int i = 0; i < ncg; ++i) { MINISGL_TILE_I(MINISGL_ZERO, i) }
+      for (int64_t j = 0; j < steps; ++j) {
+        for (int r = 0; r < rows; ++r) dequant_block_bf16<T>(w + (nb + r) * rb, K, j, abuf[r]);
+        _tile_loadd(4, abuf, 64);
+        for (int i = 0; i < ncg; ++i) {
+          _tile_loadd(6, a.xpack.data() + ((cg + i) * steps + j) * 256, 64);
+          MINISGL_TILE_I(MINISGL_DP, i)
+        }
+      }
+      for (int i = 0; i < ncg; ++i) { MINISGL_TILE_I(MINISGL_STORE, i, c[i]) }
+      const __mmask16 mk = static_cast<__mmask16>(rows == 16 ? 0xffff : (1u << rows) - 1);
+      const __m512 bv = bias ? _mm512_maskz_loadu_ps(mk, bias + nb) : _mm512_setzero_ps();
+      for (int i = 0; i < ncg; ++i)
+        for (int mm = 0; mm < 16; ++mm) {
+          const int64_t m = (cg + i) * 16 + mm;
+          if (m >= a.M) break;
+          __m512 v = _mm512_add_ps(_mm512_i32gather_ps(gidx, &c[i][0][mm], 4), bv);   // column mm: outputs nb..nb+15
+          if (y.b) {
+            _mm256_mask_storeu_epi16(y.b + m * y.ys + col0 + nb, mk, (__m256i)_mm512_cvtneps_pbh(v));
+          } else {
+            if (y.rounded) v = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(v));
+            _mm512_mask_storeu_ps(y.f + m * y.ys + col0 + nb, mk, v);
+          }
+        }
+    }
+  }
+}
+
+using AmxRowsFn = void (*)(const uint8_t*, int64_t, int64_t, int64_t, int64_t, const QAct&, const float*, const YOut&,
+                           int64_t);
+AmxRowsFn amx_rows(int64_t t) {
+  switch (t) {
+    case Q4_0: return rows_amx<Q4_0>;
+    case Q4_1: return rows_amx<Q4_1>;
+    case Q8_0: return rows_amx<Q8_0>;
+    case Q4_K: return rows_amx<Q4_K>;
+    case Q5_K: return rows_amx<Q5_K>;
+    case Q6_K: return rows_amx<Q6_K>;
+    case I8: return rows_amx<I8>;
+    default: return nullptr;
+  }
+}
+#endif
+
 // Rows [r0, r1) of one part, for every row of x: blocks of 16 weight rows, each read by every chunk of 8 rows of x
 // while it is in L1.
 void part_rows(const QuantPlan& p, const QuantPlan::Part& pt, int64_t r0, int64_t r1, const QAct& a, const float* xf,
                const YOut& out) {
   const float* bias = p.bias ? p.bias + pt.start : nullptr;
+#ifdef MINISGL_QAMX
+  if (p.amx) { amx_rows(pt.qtype)(pt.w, pt.rb, p.K, r0, r1, a, bias, out, pt.start); return; }
+#endif
   if (!p.vnni) { rows_portable(pt.qtype, pt.w, pt.rb, p.K, r0, r1, xf, a.M, bias, out, pt.start); return; }
 #ifdef MINISGL_Q_X86
   for (int64_t b0 = r0; b0 < r1; b0 += 16) {
@@ -411,6 +540,28 @@ void QAct::reset(int64_t m, int64_t k) {
   s32.resize(M * (K / 32));
   s16.resize(M * (K / 16));
 }
+void QAct::reset_packed(int64_t m, int64_t k) {
+  M = m; K = k;
+  xpack.assign(((m + 15) / 16) * (k / 32) * 256, 0u);
+}
+
+void QAct::pack_rows(const uint16_t* x, int64_t xs, int64_t m0, int64_t m1) {
+  const int64_t steps = K / 32;
+  for (int64_t m = m0; m < m1; ++m) {
+    const uint32_t* xr = reinterpret_cast<const uint32_t*>(x + m * xs);   // bf16 pairs
+    uint32_t* base = xpack.data() + (m / 16) * steps * 256 + m % 16;
+    for (int64_t kp = 0; kp < K / 2; ++kp) base[(kp / 16) * 256 + (kp % 16) * 16] = xr[kp];
+  }
+}
+
+bool quant_amx_here() {
+#ifdef MINISGL_QAMX
+  return amx_available();
+#else
+  return false;
+#endif
+}
+
 void QAct::quantize_rows(const float* x, int64_t xs, int64_t m0, int64_t m1) { quantize_rows_of(*this, x, xs, m0, m1); }
 void QAct::quantize_rows(const uint16_t* x, int64_t xs, int64_t m0, int64_t m1) { quantize_rows_of(*this, x, xs, m0, m1); }
 
@@ -487,7 +638,10 @@ at::Tensor quant_linear_cpu(const at::Tensor& x, const std::vector<at::Tensor>& 
   cpu::QuantPlan p = cpu::make_quant_plan(weights, qtypes, K, bias ? bf.data_ptr<float>() : nullptr, 4 * nt);
   TORCH_CHECK(!bias || bias->numel() == p.N, "quant_linear: bias must have ", p.N, " entries, got ", bias->numel());
   TORCH_CHECK(vnni != 1 || p.vnni, "quant_linear: VNNI asked for but not available here");
+  TORCH_CHECK(vnni != 2 || cpu::quant_amx_here(), "quant_linear: AMX asked for but not available here");
+  TORCH_CHECK(vnni != 2 || x.scalar_type() == at::kBFloat16, "quant_linear: the AMX kernel takes bfloat16 x");
   if (vnni == 0) p.vnni = false;
+  p.amx = vnni == 2;
   at::Tensor y = at::empty({M, p.N}, x.options());
   if (M == 0 || p.N == 0) return y;
   const at::Tensor xc = x.contiguous();
@@ -495,7 +649,10 @@ at::Tensor quant_linear_cpu(const at::Tensor& x, const std::vector<at::Tensor>& 
   cpu::QAct& act = act_buf;                // a reference: the worker threads below must read THIS thread's buffer
   act.reset(M, K);
   at::Tensor xf;
-  if (p.vnni) {
+  if (p.amx) {
+    act.reset_packed(M, K);
+    act.pack_rows(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), K, 0, M);
+  } else if (p.vnni) {
     if (x.scalar_type() == at::kFloat) act.quantize_rows(xc.data_ptr<float>(), K, 0, M);
     else act.quantize_rows(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), K, 0, M);
   } else {

@@ -21,11 +21,14 @@ struct QAct {
   std::vector<float> s32;        // [M, K/32]
   std::vector<float> s16;        // [M, K/16]
   std::vector<float> xf;         // [M, K] fp32: the portable path's input (decode.cpp fills it)
+  std::vector<uint32_t> xpack;   // AMX: x as bf16 pairs in tdpbf16ps' B layout [ceil(M/16)][K/32][16 k-pairs][16 rows]
   int64_t q8_off = 0;
   const int8_t* q(int64_t m) const { return q8.data() + q8_off + m * Kp; }
   void reset(int64_t M, int64_t K);
   void quantize_rows(const float* x, int64_t xs, int64_t m0, int64_t m1);
   void quantize_rows(const uint16_t* x_bf16, int64_t xs, int64_t m0, int64_t m1);
+  void reset_packed(int64_t M, int64_t K);                                   // AMX: sizes xpack (zero padding)
+  void pack_rows(const uint16_t* x_bf16, int64_t xs, int64_t m0, int64_t m1);  // AMX: rows [m0, m1) into xpack
 };
 
 // One linear over quantized parts (rows concatenated), cut into `nparts` ranges of rows for any threads to run.
@@ -35,7 +38,11 @@ struct QuantPlan {
   int64_t N = 0, K = 0, nparts = 1, per = 0;
   const float* bias = nullptr;   // fp32 [N] or null; must outlive the plan's runs
   bool vnni = true;
+  bool amx = false;              // dequantize 16 rows x 32 weights into a bf16 tile, multiply on AMX (bf16 x)
 };
+
+// Whether the AMX kernel runs here (AMX-BF16, the tile state lent, no MINISGL_CPU_ISA cap).
+bool quant_amx_here();
 
 // Checked: every part's type holds rows of K weights and its tensor is uint8 [rows, row_bytes].
 QuantPlan make_quant_plan(const std::vector<at::Tensor>& weights, const std::vector<int64_t>& qtypes, int64_t K,
