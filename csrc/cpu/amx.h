@@ -10,8 +10,6 @@ namespace cpu {
 bool amx_available();
 // Configures this thread's eight tiles as 16 rows x 64 bytes (a no-op when they already are).
 void amx_tiles_16x64();
-// The same, always loading the configuration (another library may have changed or released this thread's tiles).
-void amx_tiles_16x64_reload();
 // Configures them as gemm_amx.cpp's blocks: tmm0, tmm1 and tmm4 hold r0 rows, tmm2, tmm3 and tmm5 r1 rows (1 to 16;
 // 0 counts as 1), tmm6 and tmm7 16 rows; 64 bytes per row.
 void amx_tiles_rows(int r0, int r1);

@@ -76,8 +76,14 @@ struct alignas(64) TileConfig {
 
 thread_local int tile_config = -1;  // the key (r0, r1) of this thread's loaded configuration; -1: none
 
+// Whether this thread's tile configuration is still loaded: code outside minisgl (oneDNN, behind torch's matmuls)
+// runs on the same threads and may have released the tiles (TILERELEASE), after which a tile instruction is an
+// invalid opcode. XINUSE (xgetbv 1) bit 17 says whether TILECFG is in use: a few cycles to read.
+__attribute__((target("xsave"))) inline bool tiles_still_configured() { return (_xgetbv(1) >> 17) & 1; }
+
 MINISGL_TAMX void configure(int r0, int r1) {
   const int key = r0 * 32 + r1;
+  if (tile_config >= 0 && !tiles_still_configured()) tile_config = -1;
   if (key == tile_config) return;
   // a block of one row tile leaves tmm2, 3 and 5 unused: the loaded configuration serves if its first rows match
   // (a 48-row batch alternated (16, 16) and (16, 0) at every pair of output blocks: ldtilecfg is not cheap)
@@ -186,9 +192,6 @@ MINISGL_TAMX void run_amx_part(const TilesPlan& p, const uint16_t* x, int64_t xs
 
 MINISGL_TAMX void amx_tiles_rows(int r0, int r1) { configure(r0, r1); }
 MINISGL_TAMX void amx_tiles_16x64() { configure(16, 16); }
-// The same, loaded whatever this thread believes it holds: code outside minisgl (oneDNN) may have configured or
-// released the tiles on this thread since (quant.cpp's kernel runs beside torch's matmuls).
-MINISGL_TAMX void amx_tiles_16x64_reload() { tile_config = -1; configure(16, 16); }
 
 // Hands the tile state back (the thread's next ldtilecfg takes it again): a thread holding it makes every
 // context switch save and restore 8 KB more. Plain code until it knows the thread holds tiles, so that it runs
@@ -206,7 +209,6 @@ bool amx_available() { return false; }
 void run_amx_part(const TilesPlan&, const uint16_t*, int64_t, int64_t, void*, int64_t, bool, int64_t, int64_t) {}
 void amx_tiles_rows(int, int) {}
 void amx_tiles_16x64() {}
-void amx_tiles_16x64_reload() {}
 void release_amx() {}
 #endif
 

@@ -239,17 +239,78 @@ MINISGL_TQ inline __m512i nibbles(const uint8_t* q) {
   return _mm512_and_si512(_mm512_srlv_epi64(v, shift), _mm512_set1_epi8(15));
 }
 
+// Group g (8 blocks, 256 weights; fewer in the last group) of one row: its block scales and offsets, 8 lanes
+// (Q6_K: 16 halves of 16), zero past the group's blocks. I8: the row's scale is left to the caller (s = 1).
+template <int64_t T>
+MINISGL_TQ inline void group_scales(const uint8_t* r, int64_t K, int64_t g, int nbg, __m512& sv, __m512& bv) {
+  const int64_t nb = K / 32, ns = K / 256;
+  const __mmask16 m8 = static_cast<__mmask16>((1u << nbg) - 1);
+  if constexpr (T == Q4_0 || T == Q4_1 || T == Q8_0) {
+    const __m256i dh = _mm256_maskz_loadu_epi16(m8, r + 2 * g * 8);
+    sv = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm256_castsi256_si128(dh)));
+    if constexpr (T == Q4_1) {
+      const __m256i mh = _mm256_maskz_loadu_epi16(m8, r + 2 * nb + 2 * g * 8);
+      bv = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm256_castsi256_si128(mh)));
+    } else {
+      bv = _mm512_mul_ps(sv, _mm512_set1_ps(T == Q4_0 ? -8.f : -128.f));
+    }
+  } else if constexpr (T == Q4_K || T == Q5_K) {
+    const __m512 d = _mm512_set1_ps(h2f(r + 2 * g)), dmin = _mm512_set1_ps(-h2f(r + 2 * ns + 2 * g));
+    const uint8_t* sc = r + 4 * ns + g * 8;
+    const __m128i s8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc));
+    const __m128i n8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + nb));
+    sv = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(s8)));
+    bv = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(n8)));
+  } else if constexpr (T == Q6_K) {
+    const __m512 d = _mm512_set1_ps(h2f(r + 2 * g));
+    const __m128i s16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + 2 * ns + g * 16));
+    sv = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s16)));
+    bv = _mm512_mul_ps(sv, _mm512_set1_ps(-32.f));
+  } else {
+    sv = _mm512_set1_ps(1.f);
+    bv = _mm512_set1_ps(-128.f);
+  }
+  if constexpr (T != Q6_K) { sv = _mm512_maskz_mov_ps(m8, sv); bv = _mm512_maskz_mov_ps(m8, bv); }
+}
+
+// The 64 unsigned quants of pair p (blocks 2p and 2p + 1) of group g of one row, in element order.
+template <int64_t T>
+MINISGL_TQ inline __m512i pair_quants(const uint8_t* r, int64_t K, int64_t g, int p) {
+  const int64_t nb = K / 32, ns = K / 256;
+  if constexpr (T == Q4_0 || T == Q4_1) {
+    return nibbles(r + nb * (T == Q4_0 ? 2 : 4) + (g * 4 + p) * 32);
+  } else if constexpr (T == Q8_0 || T == I8) {
+    return _mm512_xor_si512(_mm512_loadu_si512(r + (T == I8 ? 0 : 2 * nb) + (g * 4 + p) * 64),
+                            _mm512_set1_epi8(static_cast<char>(0x80)));
+  } else if constexpr (T == Q4_K || T == Q5_K) {
+    __m512i u = nibbles(r + 4 * ns + 2 * nb + (T == Q5_K ? K / 8 : 0) + g * 128 + p * 32);
+    if constexpr (T == Q5_K) {   // bit 2p of qh[l]: block 2p's fifth bit, bit 2p + 1: block 2p + 1's
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + 4 * ns + 2 * nb + g * 32));
+      const __m512i qh2 = _mm512_inserti64x4(_mm512_castsi256_si512(h), _mm256_srli_epi16(h, 1), 1);
+      const __m512i hb = _mm512_and_si512(_mm512_srl_epi16(qh2, _mm_cvtsi32_si128(2 * p)), _mm512_set1_epi8(1));
+      u = _mm512_or_si512(u, _mm512_slli_epi16(hb, 4));
+    }
+    return u;
+  } else {   // Q6_K: pair p is half p / 2, blocks 2 (p % 2) and 2 (p % 2) + 1 of it
+    const int h = p / 2, q = p % 2;
+    const uint8_t* ql = r + 2 * ns + K / 16 + g * 128 + h * 64;
+    const __m256i hv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + 2 * ns + K / 16 + K / 2 + g * 64 + h * 32));
+    const __m512i qh = _mm512_inserti64x4(_mm512_castsi256_si512(hv), _mm256_srli_epi16(hv, 2), 1);
+    const __m512i lo = _mm512_loadu_si512(ql);
+    const __m512i nib = _mm512_and_si512(q ? _mm512_srli_epi16(lo, 4) : lo, _mm512_set1_epi8(15));
+    const __m512i hi = _mm512_and_si512(q ? _mm512_srli_epi16(qh, 4) : qh, _mm512_set1_epi8(3));
+    return _mm512_or_si512(nib, _mm512_slli_epi16(hi, 4));
+  }
+}
+
 // y[:, n0:n1] for one format T and MC rows of x from m0 (a compile-time count: the accumulators stay in registers).
 template <int64_t T, int MC>
 MINISGL_TQ void rows_vnni(const uint8_t* w, int64_t rb, int64_t K, int64_t n0, int64_t n1, const QAct& a, int64_t m0,
                           const float* bias, const YOut& y, int64_t col0) {
-  constexpr int mc = MC;
-  const int64_t nb = K / 32, ns = K / 256, ngroups = (K + 255) / 256;
+  const int64_t nb = K / 32, ngroups = (K + 255) / 256;
   constexpr bool halves = T == Q6_K;
   __m512i pidx[4];
   for (int p = 0; p < 4; ++p) pidx[p] = pair_index(p, halves);
-  const __m512i x80 = _mm512_set1_epi8(static_cast<char>(0x80)), m15 = _mm512_set1_epi8(15);
-  const __m512i one = _mm512_set1_epi8(1), three = _mm512_set1_epi8(3);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* r = w + n * rb;
     __m512 acc[MC], accb[MC];
@@ -257,72 +318,20 @@ MINISGL_TQ void rows_vnni(const uint8_t* w, int64_t rb, int64_t K, int64_t n0, i
     for (int64_t g = 0; g < ngroups; ++g) {
       const int nbg = static_cast<int>(std::min<int64_t>(8, nb - g * 8));   // blocks in this group
       const __mmask16 m8 = static_cast<__mmask16>((1u << nbg) - 1);
-      __m512 sv, bv;   // the group's block scales and offsets (8 lanes; Q6_K: 16 halves)
-      if constexpr (T == Q4_0 || T == Q4_1 || T == Q8_0) {
-        const __m256i dh = _mm256_maskz_loadu_epi16(m8, r + 2 * g * 8);
-        sv = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm256_castsi256_si128(dh)));
-        if constexpr (T == Q4_1) {
-          const __m256i mh = _mm256_maskz_loadu_epi16(m8, r + 2 * nb + 2 * g * 8);
-          bv = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm256_castsi256_si128(mh)));
-        } else {
-          bv = _mm512_mul_ps(sv, _mm512_set1_ps(T == Q4_0 ? -8.f : -128.f));
-        }
-      } else if constexpr (T == Q4_K || T == Q5_K) {
-        const __m512 d = _mm512_set1_ps(h2f(r + 2 * g)), dmin = _mm512_set1_ps(-h2f(r + 2 * ns + 2 * g));
-        const uint8_t* sc = r + 4 * ns + g * 8;
-        const __m128i s8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc));
-        const __m128i n8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + nb));
-        sv = _mm512_maskz_mul_ps(0xff, d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(s8)));
-        bv = _mm512_maskz_mul_ps(0xff, dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(n8)));
-      } else if constexpr (T == Q6_K) {
-        const __m512 d = _mm512_set1_ps(h2f(r + 2 * g));
-        const __m128i s16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + 2 * ns + g * 16));
-        sv = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s16)));
-        bv = _mm512_mul_ps(sv, _mm512_set1_ps(-32.f));
-      } else {   // I8: the row's scale is applied at the end
-        sv = _mm512_maskz_mov_ps(0xff, _mm512_set1_ps(1.f));
-        bv = _mm512_maskz_mov_ps(static_cast<__mmask16>(m8), _mm512_set1_ps(-128.f));
-      }
-      if constexpr (T != Q6_K) { sv = _mm512_maskz_mov_ps(m8, sv); bv = _mm512_maskz_mov_ps(m8, bv); }
+      __m512 sv, bv;
+      group_scales<T>(r, K, g, nbg, sv, bv);
       // the offsets: b . (dx * sum(q8)) per block (Q6_K: per half)
-      for (int i = 0; i < mc; ++i) {
+      for (int i = 0; i < MC; ++i) {
         const __m512 xs = halves ? _mm512_loadu_ps(a.s16.data() + ((m0 + i) * nb + g * 8) * 2)
                                  : _mm512_maskz_loadu_ps(m8, a.s32.data() + (m0 + i) * nb + g * 8);
         accb[i] = _mm512_fmadd_ps(bv, xs, accb[i]);
       }
-      __m512i qh2;
-      if constexpr (T == Q5_K) {
-        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + 4 * ns + 2 * nb + g * 32));
-        qh2 = _mm512_inserti64x4(_mm512_castsi256_si512(h), _mm256_srli_epi16(h, 1), 1);
-      }
 #pragma GCC unroll 4
       for (int p = 0; p < nbg / 2; ++p) {
-        __m512i u;
-        if constexpr (T == Q4_0 || T == Q4_1) {
-          u = nibbles(r + nb * (T == Q4_0 ? 2 : 4) + (g * 4 + p) * 32);
-        } else if constexpr (T == Q8_0) {
-          u = _mm512_xor_si512(_mm512_loadu_si512(r + 2 * nb + (g * 4 + p) * 64), x80);
-        } else if constexpr (T == I8) {
-          u = _mm512_xor_si512(_mm512_loadu_si512(r + (g * 4 + p) * 64), x80);
-        } else if constexpr (T == Q4_K || T == Q5_K) {
-          u = nibbles(r + 4 * ns + 2 * nb + (T == Q5_K ? K / 8 : 0) + g * 128 + p * 32);
-          if constexpr (T == Q5_K) {
-            const __m512i hb = _mm512_and_si512(_mm512_srl_epi16(qh2, _mm_cvtsi32_si128(2 * p)), one);
-            u = _mm512_or_si512(u, _mm512_slli_epi16(hb, 4));
-          }
-        } else {   // Q6_K: pair p is half p / 2, blocks 2 (p % 2) and 2 (p % 2) + 1 of it
-          const int h = p / 2, q = p % 2;
-          const uint8_t* ql = r + 2 * ns + K / 16 + g * 128 + h * 64;
-          const __m256i hv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + 2 * ns + K / 16 + K / 2 + g * 64 + h * 32));
-          const __m512i qh = _mm512_inserti64x4(_mm512_castsi256_si512(hv), _mm256_srli_epi16(hv, 2), 1);
-          const __m512i lo = _mm512_loadu_si512(ql);
-          const __m512i nib = _mm512_and_si512(q ? _mm512_srli_epi16(lo, 4) : lo, m15);
-          const __m512i hi = _mm512_and_si512(q ? _mm512_srli_epi16(qh, 4) : qh, three);
-          u = _mm512_or_si512(nib, _mm512_slli_epi16(hi, 4));
-        }
+        const __m512i u = pair_quants<T>(r, K, g, p);
         const __m512 s = _mm512_permutexvar_ps(pidx[p], sv);
         const int64_t off = g * 256 + p * 64;
-        for (int i = 0; i < mc; ++i) {
+        for (int i = 0; i < MC; ++i) {
           const __m512i xq = _mm512_load_si512(a.q(m0 + i) + off);
           const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, xq);
           const __m512 dx = _mm512_loadu_ps(a.dpair.data() + ((m0 + i) * (K / 64) + off / 64) * 16);
@@ -333,7 +342,7 @@ MINISGL_TQ void rows_vnni(const uint8_t* w, int64_t rb, int64_t K, int64_t n0, i
     float rs = 1.f;
     if constexpr (T == I8) std::memcpy(&rs, r + K, 4);
     const float b = bias ? bias[n] : 0.f;
-    for (int i = 0; i < mc; ++i)
+    for (int i = 0; i < MC; ++i)
       y.put(m0 + i, col0 + n, rs * _mm512_reduce_add_ps(_mm512_add_ps(acc[i], accb[i])) + b);
   }
 }
@@ -395,54 +404,33 @@ void check_weight(const at::Tensor& w, int64_t t, int64_t K, const char* fn) {
 #define MINISGL_QAMX 1
 #define MINISGL_TQA __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")))
 
-// 32 bytes shifted right by `shift` bits, their low nibbles.
-MINISGL_TQA inline __m256i nib(const uint8_t* q, int shift) {
-  return _mm256_and_si256(_mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)),
-                                           _mm_cvtsi32_si128(shift)), _mm256_set1_epi8(15));
-}
-
-// Block j of one row as 32 bf16 (w = s * u + b, in fp32, rounded once) into out.
+// Group g of one row dequantized into bf16, block by block: out[j] (32 bf16 each) for the group's blocks.
+// A quarter of a pair's 64 quants (16 elements) takes one block's scale and offset (Q6_K: one half's).
 template <int64_t T>
-MINISGL_TQA inline void dequant_block_bf16(const uint8_t* r, int64_t K, int64_t j, uint16_t* out) {
-  const int64_t nb = K / 32, ns = K / 256, g = j / 8, jj = j % 8;
-  float s0, s1, b0, b1;
-  __m256i u;
-  if constexpr (T == Q4_0 || T == Q4_1 || T == Q8_0 || T == I8) {
-    if constexpr (T == I8) { std::memcpy(&s0, r + K, 4); }
-    else s0 = h2f(r + 2 * j);
-    b0 = T == Q4_1 ? h2f(r + 2 * nb + 2 * j) : T == Q4_0 ? -8.f * s0 : -128.f * s0;
-    if constexpr (T == Q4_0 || T == Q4_1) u = nib(r + nb * (T == Q4_0 ? 2 : 4) + (j / 2) * 32, 4 * (j % 2));
-    else u = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + (T == I8 ? 0 : 2 * nb) + j * 32)),
-                              _mm256_set1_epi8(static_cast<char>(0x80)));
-    s1 = s0; b1 = b0;
-  } else if constexpr (T == Q4_K || T == Q5_K) {
-    const uint8_t* sc = r + 4 * ns;
-    s0 = s1 = h2f(r + 2 * g) * static_cast<float>(sc[j]);
-    b0 = b1 = -(h2f(r + 2 * ns + 2 * g) * static_cast<float>(sc[nb + j]));
-    u = nib(r + 4 * ns + 2 * nb + (T == Q5_K ? K / 8 : 0) + g * 128 + (jj / 2) * 32, 4 * (jj % 2));
-    if constexpr (T == Q5_K) {
-      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + 4 * ns + 2 * nb + g * 32));
-      const __m256i hb = _mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(static_cast<int>(jj))), _mm256_set1_epi8(1));
-      u = _mm256_or_si256(u, _mm256_slli_epi16(hb, 4));
-    }
-  } else {   // Q6_K
-    const int64_t h = jj / 4, t = jj % 4;
-    const float d = h2f(r + 2 * g);
-    const int8_t* sc = reinterpret_cast<const int8_t*>(r + 2 * ns) + g * 16 + h * 8 + 2 * t;
-    s0 = d * static_cast<float>(sc[0]); s1 = d * static_cast<float>(sc[1]);
-    b0 = -32.f * s0; b1 = -32.f * s1;
-    const uint8_t* ql = r + 2 * ns + K / 16 + g * 128 + h * 64 + (t & 1) * 32;
-    const uint8_t* qh = r + 2 * ns + K / 16 + K / 2 + g * 64 + h * 32;
-    const __m256i lo = nib(ql, static_cast<int>((t >> 1) * 4));
-    const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh)),
-                                                         _mm_cvtsi32_si128(static_cast<int>(2 * t))), _mm256_set1_epi8(3));
-    u = _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+MINISGL_TQA inline void dequant_group_bf16(const uint8_t* r, int64_t K, int64_t g, int nbg, uint16_t (*out)[16][32],
+                                           int row) {
+  __m512 sv, bv;
+  group_scales<T>(r, K, g, nbg, sv, bv);
+  if constexpr (T == I8) {
+    float rs;
+    std::memcpy(&rs, r + K, 4);
+    sv = _mm512_mul_ps(sv, _mm512_set1_ps(rs));
+    bv = _mm512_mul_ps(bv, _mm512_set1_ps(rs));
   }
-  const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(u)));
-  const __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(u, 1)));
-  const __m512 wa = _mm512_fmadd_ps(a, _mm512_set1_ps(s0), _mm512_set1_ps(b0));
-  const __m512 wb = _mm512_fmadd_ps(b, _mm512_set1_ps(s1), _mm512_set1_ps(b1));
-  _mm512_storeu_si512(out, (__m512i)_mm512_cvtne2ps_pbh(wb, wa));
+  for (int p = 0; p < nbg / 2; ++p) {
+    const __m512i u = pair_quants<T>(r, K, g, p);
+    __m512 wq[4];
+    for (int q = 0; q < 4; ++q) {
+      const int lane = T == Q6_K ? 4 * p + q : 2 * p + q / 2;
+      const __m512i idx = _mm512_set1_epi32(lane);
+      const __m128i qb = q == 0 ? _mm512_extracti32x4_epi32(u, 0) : q == 1 ? _mm512_extracti32x4_epi32(u, 1)
+                       : q == 2 ? _mm512_extracti32x4_epi32(u, 2) : _mm512_extracti32x4_epi32(u, 3);
+      wq[q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(qb)), _mm512_permutexvar_ps(idx, sv),
+                              _mm512_permutexvar_ps(idx, bv));
+    }
+    _mm512_storeu_si512(out[2 * p][row], (__m512i)_mm512_cvtne2ps_pbh(wq[1], wq[0]));
+    _mm512_storeu_si512(out[2 * p + 1][row], (__m512i)_mm512_cvtne2ps_pbh(wq[3], wq[2]));
+  }
 }
 
 #define MINISGL_TILE_I(op, i, ...) \
@@ -455,9 +443,9 @@ MINISGL_TQA inline void dequant_block_bf16(const uint8_t* r, int64_t K, int64_t 
 template <int64_t T>
 MINISGL_TQA void rows_amx(const uint8_t* w, int64_t rb, int64_t K, int64_t n0, int64_t n1, const QAct& a,
                           const float* bias, const YOut& y, int64_t col0) {
-  amx_tiles_16x64_reload();   // torch's matmuls (the dequant kernel) may have released this thread's tiles
-  const int64_t steps = K / 32, chunks = (a.M + 15) / 16;
-  alignas(64) uint16_t abuf[16][32];
+  amx_tiles_16x64();
+  const int64_t nb_k = K / 32, ngroups = (K + 255) / 256, chunks = (a.M + 15) / 16;
+  alignas(64) uint16_t abuf[8][16][32];   // a group's 8 blocks of 16 rows, as bf16 tiles
   alignas(64) float c[4][16][16];
   const __m512i gidx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                           _mm512_set1_epi32(16));
@@ -467,12 +455,15 @@ MINISGL_TQA void rows_amx(const uint8_t* w, int64_t rb, int64_t K, int64_t n0, i
     for (int64_t cg = 0; cg < chunks; cg += 4) {
       const int ncg = static_cast<int>(std::min<int64_t>(4, chunks - cg));
       for (int i = 0; i < ncg; ++i) { MINISGL_TILE_I(MINISGL_ZERO, i) }
-      for (int64_t j = 0; j < steps; ++j) {
-        for (int r = 0; r < rows; ++r) dequant_block_bf16<T>(w + (nb + r) * rb, K, j, abuf[r]);
-        _tile_loadd(4, abuf, 64);
-        for (int i = 0; i < ncg; ++i) {
-          _tile_loadd(6, a.xpack.data() + ((cg + i) * steps + j) * 256, 64);
-          MINISGL_TILE_I(MINISGL_DP, i)
+      for (int64_t g = 0; g < ngroups; ++g) {
+        const int nbg = static_cast<int>(std::min<int64_t>(8, nb_k - g * 8));
+        for (int r = 0; r < rows; ++r) dequant_group_bf16<T>(w + (nb + r) * rb, K, g, nbg, abuf, r);
+        for (int jj = 0; jj < nbg; ++jj) {
+          _tile_loadd(4, abuf[jj], 64);
+          for (int i = 0; i < ncg; ++i) {
+            _tile_loadd(6, a.xpack.data() + ((cg + i) * nb_k + g * 8 + jj) * 256, 64);
+            MINISGL_TILE_I(MINISGL_DP, i)
+          }
         }
       }
       for (int i = 0; i < ncg; ++i) { MINISGL_TILE_I(MINISGL_STORE, i, c[i]) }
