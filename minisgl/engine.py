@@ -198,8 +198,8 @@ def _gguf_file(model: str | None) -> Path | None:
 def _resolve_quantization(config: EngineConfig, device: torch.device) -> str:
     "What `config.quantization` means here: auto is none, the faster of the two on the project's machines so far (README: bench_quant)."
     q, gguf = config.quantization, _gguf_file(config.model)
-    # measured (benchmarks/bench_quant.py, Intel Xeon with AMX): one request decodes at 95 tok/s natively against 121 from
-    # bf16, whose whole decode step is one C++ call; auto becomes gguf where the native path wins
+    # measured (benchmarks/bench_quant.py, Intel Xeon with AMX, README): one request decodes at 104 tok/s natively against
+    # 83 from bf16, but 32 together at 1082 against 1459; auto becomes gguf where the native path wins batches too
     if q == 'auto': return 'none'
     check(q != 'gguf' or gguf is not None, 'quantization', f'gguf needs a .gguf model, got {config.model!r} (int8 quantizes any model)')
     check(q == 'none' or device.type == 'cpu', 'quantization', f'{q} runs on the CPU only, got {device}')
