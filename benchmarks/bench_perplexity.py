@@ -1,6 +1,9 @@
 """Perplexity of the embedded Q4_1 GGUF on a fixed text: minisgl served natively (`--quantization gguf`), dequantized
 (`none`, fp32), int8 weights, and llama.cpp's `llama-perplexity` on the same file and text, in one run.
 
+The native model runs every linear on `q8dot` (the kernel that rounds the activations, as decode does); the plan's
+other kernels compute the dequantized model's products, whose perplexity the `none` line gives.
+
 The text is this repository's README.md (fixed by its commit). It is cut into chunks of `--ctx` tokens (no BOS: the
 tokenizer of SmolLM2 adds none); each chunk is scored on its second half given its first, as llama-perplexity does,
 and the perplexity is exp(mean negative log-likelihood) over every scored token.
@@ -47,6 +50,9 @@ def main():
     pages = -(-args.ctx // 16) + 1
     for mode in args.modes.split(","):
         e = Engine(EngineConfig(quantization=mode, dtype="float32", num_pages=pages, max_seq_len=args.ctx), progress=False)
+        from minisgl.quant import QuantLinear
+        for lin in e.model.modules():
+            if isinstance(lin, QuantLinear): lin.set_plan([(1 << 20, "q8dot")])
         ids = e.tokenizer(text)["input_ids"]
         chunks = [ids[i:i + args.ctx] for i in range(0, len(ids) - args.ctx + 1, args.ctx)]
         nll = cnt = 0

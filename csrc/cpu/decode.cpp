@@ -158,19 +158,19 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_cpu(
   std::map<int64_t, std::unique_ptr<QAct>> acts;   // one per input width of the quantized projections
   auto linear = [&](const c10::optional<at::Tensor>& w, const c10::optional<at::Tensor>& b, int64_t rows,
                     int64_t cols, const char* what, size_t l, TilesBody tiles, size_t qi) {
-    const float* qbias = nullptr;
+    const float* bp = nullptr;   // the bias as fp32 (kept alive in biases), or null
+    if (b.has_value() && b->defined()) {
+      TORCH_CHECK(b->device().is_cpu() && b->dim() == 1 && b->size(0) == rows, fn, ": bias of ", what, " of layer ",
+                  l, " must be a CPU tensor of shape [", rows, "], got ", b->sizes());
+      biases.push_back(b->to(at::kFloat).contiguous());
+      bp = biases.back().data_ptr<float>();
+    }
     const bool quantized = !quant_weights.empty() && !quant_weights[qi].empty();
     if (quantized || !(w.has_value() && w->defined())) {
       TORCH_CHECK(quantized, fn, ": ", what, " of layer ", l, " is missing");
-      if (b.has_value() && b->defined()) {
-        TORCH_CHECK(b->device().is_cpu() && b->dim() == 1 && b->size(0) == rows, fn, ": bias of ", what, " of layer ",
-                    l, " must be a CPU tensor of shape [", rows, "], got ", b->sizes());
-        biases.push_back(b->to(at::kFloat).contiguous());
-        qbias = biases.back().data_ptr<float>();
-      }
       LinearPlan p;
       p.quant = true;
-      p.qp = make_quant_plan(quant_weights[qi], quant_types[qi], cols, qbias, nt * kTilesPartsPerThread);
+      p.qp = make_quant_plan(quant_weights[qi], quant_types[qi], cols, bp, nt * kTilesPartsPerThread);
       p.qp.amx = !quant_amx.empty() && quant_amx[qi];
       TORCH_CHECK(!p.qp.amx || quant_amx_here(), fn, ": ", what, " runs on AMX, which does not run here");
       TORCH_CHECK(p.qp.N == rows, fn, ": quantized ", what, " of layer ", l, " has ", p.qp.N, " rows, expected ", rows);
@@ -186,13 +186,6 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_cpu(
     }
     TORCH_CHECK(w->device().is_cpu() && w->scalar_type() == at::kBFloat16 && w->is_contiguous(), fn, ": ", what,
                 " of layer ", l, " must be a contiguous bfloat16 CPU tensor, got ", w->scalar_type());
-    const float* bp = nullptr;
-    if (b.has_value() && b->defined()) {
-      TORCH_CHECK(b->device().is_cpu() && b->dim() == 1 && b->size(0) == rows, fn, ": bias of ", what, " of layer ",
-                  l, " must be a CPU tensor of shape [", rows, "], got ", b->sizes());
-      biases.push_back(b->to(at::kFloat).contiguous());
-      bp = biases.back().data_ptr<float>();
-    }
     LinearPlan p;
     if (w->dim() == 4) {  // packed tiles
       TORCH_CHECK(linear_packed_available(), fn, ": packed weights need a CPU with AVX2 and FMA");
