@@ -55,7 +55,6 @@ def step_bytes(model) -> int:
 
 def decode_rates(llm, batches, prompt_len, new, reps) -> dict:
     from minisgl.core import SamplingParams
-    tok = llm.engine.tokenizer if hasattr(llm, "engine") else None
     words = "the quick brown fox jumps over a lazy dog while it rains on the hills far away".split()
     out = {}
     for b in batches:
@@ -103,7 +102,7 @@ def main():
         bounds[mode] = {"step_bytes": nbytes, "bound_tok_s": read_bandwidth(nbytes) / nbytes}
         print(f"  reads {nbytes / 1e6:.0f} MB a step: at most {bounds[mode]['bound_tok_s']:.0f} tok/s for one request", flush=True)
         results[mode] = decode_rates(llm, batches, args.prompt_len, args.new_tokens, args.reps)
-        llm.shutdown() if hasattr(llm, "shutdown") else None
+        llm.close()
         del llm
     if args.llama_bench:
         results["llama.cpp"] = {1: llama_tg(args.llama_bench, str(default_gguf_path()), info["threads"], args.new_tokens, args.reps)}

@@ -154,8 +154,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("weight"), py::arg("qtype"), py::arg("k"), py::arg("rows") = py::none());
   m.def("quant_linear", &minisgl::quant_linear_cpu,
         "y = x @ W.T (+ bias) over quantized weight parts (rows concatenated), activations quantized per 32; "
-        "vnni: -1 best here, 0 portable, 1 VNNI, 2 AMX (bf16 x: 16 x 32 weight tiles dequantized, then tdpbf16ps)",
-        py::arg("x"), py::arg("weights"), py::arg("qtypes"), py::arg("bias") = py::none(), py::arg("vnni") = -1,
+        "kernel: -1 best here of VNNI and portable, 0 portable, 1 VNNI, 2 AMX (bf16 x: 16 x 32 weight tiles dequantized, "
+        "then tdpbf16ps)",
+        py::arg("x"), py::arg("weights"), py::arg("qtypes"), py::arg("bias") = py::none(), py::arg("kernel") = -1,
         py::call_guard<py::gil_scoped_release>());
   m.def("has_cuda", &minisgl::has_cuda, "whether the CUDA kernels were compiled in");
   m.def("cpu_isa", &minisgl::cpu_isa, "the instruction set the CPU kernels use on this machine");

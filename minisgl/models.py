@@ -307,7 +307,7 @@ def _linear_kernel(lin: nn.Module, rows: int) -> str | None:
     return 'gemv' if rows <= GEMV_MAX_ROWS and lin.weight is not None and lin.weight.dtype == torch.bfloat16 else None
 
 def _native_weight(lin: nn.Module, rows: int) -> torch.Tensor:
-    "The weight a fused decode step hands its kernel: the packed tiles where the plan picked them (on AMX or not), else the plain weight (None: quantized, handed over as its parts)."
+    "The weight a fused decode step hands its kernel: the packed tiles where the plan picked them (on AMX or not), else the plain weight (a `QuantLinear`: an empty tensor, its parts go separately)."
     if isinstance(lin, QuantLinear): return torch.empty(0)
     return lin.tiles if LAYOUT.get(_linear_kernel(lin, rows)) == 'tiles' else lin.weight
 

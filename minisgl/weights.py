@@ -271,7 +271,7 @@ def load_gguf_model(model_dir: str | Path, gguf: str | Path, dtype: torch.dtype 
     reader = GGUFReader(str(gguf))
     arch = bytes(reader.fields['general.architecture'].parts[-1]).decode()
     tensors = {t.name: t for t in reader.tensors}
-    native, dense, why = {}, set(), {}          # our module name -> parts; parameters to read from the copy
+    native, why = {}, {}                       # our module name -> its parts; -> why it stays dense
     for i in range(cfg.num_layers):
         for ours, names in _GGUF_LINEARS.items():
             k = cfg.intermediate_size if ours == 'mlp.down_proj' else cfg.hidden_size

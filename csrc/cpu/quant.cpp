@@ -62,8 +62,7 @@ bool is_k_quant(int64_t t) { return t == Q4_K || t == Q5_K || t == Q6_K; }
 int64_t row_bytes(int64_t t, int64_t K) {
   if (K <= 0) return -1;
   if (is_k_quant(t) && K % 256) return -1;
-  if (!is_k_quant(t) && t != I8 && K % 64) return -1;   // blocks are taken in pairs
-  if (t == I8 && K % 64) return -1;
+  if (!is_k_quant(t) && K % 64) return -1;   // blocks are taken in pairs
   const int64_t nb = K / 32, ns = K / 256;
   switch (t) {
     case Q4_0: return nb * 18;
@@ -616,9 +615,9 @@ at::Tensor quant_dequantize_cpu(const at::Tensor& w, int64_t qtype, int64_t K, c
 }
 
 // y[M, sum N_p] = x[M, K] @ W^T (+ bias): W given as parts (rows of one output each, in order), each with its type.
-// vnni: -1 the best here, 0 the portable path, 1 VNNI (checked).
+// kernel: -1 the best of VNNI and portable here, 0 the portable path, 1 VNNI, 2 AMX (bf16 x); checked.
 at::Tensor quant_linear_cpu(const at::Tensor& x, const std::vector<at::Tensor>& weights,
-                            const std::vector<int64_t>& qtypes, const c10::optional<at::Tensor>& bias, int64_t vnni) {
+                            const std::vector<int64_t>& qtypes, const c10::optional<at::Tensor>& bias, int64_t kernel) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "quant_linear: x must be a 2-D CPU tensor, got ", x.sizes());
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "quant_linear: x must be float32 or bfloat16, got ", x.scalar_type());
@@ -628,11 +627,11 @@ at::Tensor quant_linear_cpu(const at::Tensor& x, const std::vector<at::Tensor>& 
   if (bias) bf = bias->to(at::kFloat).contiguous();
   cpu::QuantPlan p = cpu::make_quant_plan(weights, qtypes, K, bias ? bf.data_ptr<float>() : nullptr, 4 * nt);
   TORCH_CHECK(!bias || bias->numel() == p.N, "quant_linear: bias must have ", p.N, " entries, got ", bias->numel());
-  TORCH_CHECK(vnni != 1 || p.vnni, "quant_linear: VNNI asked for but not available here");
-  TORCH_CHECK(vnni != 2 || cpu::quant_amx_here(), "quant_linear: AMX asked for but not available here");
-  TORCH_CHECK(vnni != 2 || x.scalar_type() == at::kBFloat16, "quant_linear: the AMX kernel takes bfloat16 x");
-  if (vnni == 0) p.vnni = false;
-  p.amx = vnni == 2;
+  TORCH_CHECK(kernel != 1 || p.vnni, "quant_linear: VNNI asked for but not available here");
+  TORCH_CHECK(kernel != 2 || cpu::quant_amx_here(), "quant_linear: AMX asked for but not available here");
+  TORCH_CHECK(kernel != 2 || x.scalar_type() == at::kBFloat16, "quant_linear: the AMX kernel takes bfloat16 x");
+  if (kernel == 0) p.vnni = false;
+  p.amx = kernel == 2;
   at::Tensor y = at::empty({M, p.N}, x.options());
   if (M == 0 || p.N == 0) return y;
   const at::Tensor xc = x.contiguous();

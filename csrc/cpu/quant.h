@@ -61,8 +61,9 @@ int64_t quant_row_bytes(int64_t qtype, int64_t K);
 bool quant_vnni_available();
 // The fp32 values of weight w (or of its rows `rows`), exactly as gguf-py dequantizes them.
 at::Tensor quant_dequantize_cpu(const at::Tensor& w, int64_t qtype, int64_t K, const c10::optional<at::Tensor>& rows);
-// y = x @ W^T (+ bias) in x's dtype, W the row-wise concatenation of `weights`, each of its own type.
+// y = x @ W^T (+ bias) in x's dtype, W the row-wise concatenation of `weights`, each of its own type; kernel: -1 the
+// best of VNNI and portable here, 0 portable, 1 VNNI, 2 AMX (bf16 x).
 at::Tensor quant_linear_cpu(const at::Tensor& x, const std::vector<at::Tensor>& weights,
-                            const std::vector<int64_t>& qtypes, const c10::optional<at::Tensor>& bias, int64_t vnni);
+                            const std::vector<int64_t>& qtypes, const c10::optional<at::Tensor>& bias, int64_t kernel);
 
 }  // namespace minisgl
