@@ -63,10 +63,17 @@ def vnni_available() -> bool:
     return quant_available() and native().quant_vnni_available()
 
 # %% ../nbs/04d_quant.ipynb #4092c5f4
-def _pairs_of_nibbles(qs: np.ndarray, n: int, k: int) -> np.ndarray:
-    "Q4_0/Q4_1 quants [n, k/32, 16] (element l low, l + 16 high) -> pairs of blocks, byte l = a[l] | b[l] << 4."
-    e = np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(n, k // 64, 2, 32)   # the 4-bit values in order
-    return (e[:, :, 0] | (e[:, :, 1] << 4)).reshape(n, -1)
+def _lanes(a: np.ndarray) -> np.ndarray:
+    "Per-row pieces [n, units, ..., bytes] -> interleaved by groups of 16 rows: [n / 16, units, ..., 16, bytes]."
+    n = a.shape[0]
+    return np.moveaxis(a.reshape(n // 16, 16, *a.shape[1:]), 1, -2)
+
+
+def _interleave(n: int, pieces: list[np.ndarray]) -> np.ndarray:
+    "Each unit's pieces (per row: [n, units, ..., bytes]) one after the other, 16 rows interleaved: uint8 [n, bytes]."
+    units = pieces[0].shape[1]
+    out = np.concatenate([_lanes(p).reshape(n // 16, units, -1) for p in pieces], axis=2)
+    return np.ascontiguousarray(out.reshape(n, -1))
 
 
 def repack(fmt: QuantFormat, raw: np.ndarray, k: int) -> np.ndarray:
@@ -76,24 +83,23 @@ def repack(fmt: QuantFormat, raw: np.ndarray, k: int) -> np.ndarray:
     if rb < 0: raise ValueError(f'{fmt.name} cannot hold rows of {k} weights')
     if raw.shape != (n, k // fmt.block * fmt.block_bytes) or raw.dtype != np.uint8:
         raise ValueError(f'{fmt.name} rows of {k} weights are {k // fmt.block * fmt.block_bytes} bytes, got {raw.shape} {raw.dtype}')
-    if fmt.name in ('Q4_0', 'Q4_1', 'Q8_0'):
-        b = raw.reshape(n, k // 32, fmt.block_bytes)
-        scales = [b[..., 0:2].reshape(n, -1)] + ([b[..., 2:4].reshape(n, -1)] if fmt.name == 'Q4_1' else [])
-        qs = b[..., 2 * len(scales):]
-        quants = qs.reshape(n, -1) if fmt.name == 'Q8_0' else _pairs_of_nibbles(qs, n, k)
-        out = np.concatenate(scales + [quants], axis=1)
+    if n % 16: raise ValueError(f'the kernels take rows in groups of 16, got {n} rows')
+    b = raw.reshape(n, k // fmt.block, fmt.block_bytes)
+    quads = lambda a: a.reshape(*a.shape[:2], -1, 4)         # bytes -> [.., chunks, 4]: a chunk's 4 bytes of one row
+    if fmt.name == 'Q4_0': pieces = [b[..., None, 0:2], quads(b[..., 2:18])]
+    elif fmt.name == 'Q4_1': pieces = [b[..., None, 0:2], b[..., None, 2:4], quads(b[..., 4:20])]
+    elif fmt.name == 'Q8_0': pieces = [b[..., None, 0:2], quads(b[..., 2:34])]
     elif fmt.name in ('Q4_K', 'Q5_K'):
-        b = raw.reshape(-1, fmt.block_bytes)                 # one super-block a row: d, dmin, 12 bytes of scales, [qh], qs
-        sc, mn = Q4_K.get_scale_min(b[:, 4:16])
-        parts = [b[:, 0:2], b[:, 2:4], sc.astype(np.uint8), mn.astype(np.uint8)]
-        if fmt.name == 'Q5_K': parts.append(b[:, 16:48])
-        out = np.concatenate([p.reshape(n, -1) for p in parts + [b[:, -128:]]], axis=1)
-    elif fmt.name == 'Q6_K':
-        b = raw.reshape(-1, 210)                             # ql[128], qh[64], scales[16], d
-        out = np.concatenate([b[:, s].reshape(n, -1) for s in (slice(208, 210), slice(192, 208), slice(0, 128), slice(128, 192))], axis=1)
+        sc, mn = (a.astype(np.uint8).reshape(n, -1, 8, 1) for a in Q4_K.get_scale_min(b[..., 4:16].reshape(-1, 12)))
+        pieces = [b[..., None, 0:2], b[..., None, 2:4], sc, mn] + ([quads(b[..., 16:48])] if fmt.name == 'Q5_K' else [])
+        pieces.append(quads(b[..., -128:]))
+    elif fmt.name == 'Q6_K':                                    # ql[128], qh[64], scales[16], d
+        halves = [np.concatenate([quads(b[..., 64 * h:64 * h + 64]), quads(b[..., 128 + 32 * h:160 + 32 * h])], axis=2) for h in (0, 1)]
+        pieces = [b[..., None, 208:210], b[..., 192:208, None]] + halves
     else: raise ValueError(f'{fmt.name} is not a GGUF format')
+    out = _interleave(n, pieces)
     assert out.shape == (n, rb)
-    return np.ascontiguousarray(out)
+    return out
 
 # %% ../nbs/04d_quant.ipynb #b9ab2c6e
 def random_gguf_rows(fmt: QuantFormat, n: int, k: int, seed: int = 0) -> np.ndarray:
@@ -110,14 +116,15 @@ def random_gguf_rows(fmt: QuantFormat, n: int, k: int, seed: int = 0) -> np.ndar
 
 # %% ../nbs/04d_quant.ipynb #71558b2c
 def quantize_int8(weight: Tensor) -> Tensor:
-    "Per-channel symmetric int8 rows of `weight` [n, k] in the kernel's I8 layout: `k` int8, then the row's fp32 scale."
+    "Per-channel symmetric int8 rows of `weight` [n, k] in the kernel's I8 layout (16 rows interleaved: their fp32 scales, then their quads)."
     if weight.dim() != 2: raise ValueError(f'weight must be 2-D, got {tuple(weight.shape)}')
     n, k = weight.shape
-    if k % 64: raise ValueError(f'int8 rows need in_features % 64 == 0, got {k}')
+    if k % 64 or n % 16: raise ValueError(f'int8 weights need in_features % 64 == 0 and out_features % 16 == 0, got {n} x {k}')
     w = weight.detach().float()
     scale = w.abs().amax(dim=1, keepdim=True).clamp_min(1e-30) / 127
     q = torch.round(w / scale).clamp_(-127, 127).to(torch.int8)
-    return torch.cat([q.view(torch.uint8), scale.view(torch.uint8).reshape(n, 4)], dim=1).contiguous()
+    pieces = [scale.numpy().view(np.uint8).reshape(n, 1, 1, 4), q.numpy().view(np.uint8).reshape(n, 1, k // 4, 4)]
+    return torch.from_numpy(_interleave(n, pieces))
 
 # %% ../nbs/04d_quant.ipynb #e050b45d
 def quant_error_bound(x: Tensor, w: Tensor) -> Tensor:
@@ -210,6 +217,7 @@ _QUANT_PASS_BYTES = 64 << 20     # weight bytes cycled through per timing, at mo
 _QUANT_MAX_CALL_FLOPS = 4e9      # calls above this are not timed (the last bucket's time is scaled)
 _QUANT_HOPELESS = 4.0            # a kernel this many times slower than the other is not timed at more rows,
 _QUANT_PRUNE_FROM = 64           # ... from this many on (dequantizing pays off only over many rows)
+_QUANT_KERNELS_VERSION = 2        # bumped when a quantized kernel or the weight layout changes: plans are measured anew
 
 
 def quant_specs(model: nn.Module, max_batch: int) -> dict[tuple[int, int], LinearSpec]:
@@ -254,7 +262,7 @@ def measure_quant_linear(lins: list[QuantLinear], rows: list[int], dtype: torch.
 
 
 def _quant_plan_file(specs, formats: dict, dtype: torch.dtype) -> Path:
-    key = json.dumps([cpu_signature(), str(dtype), sorted((f'{n}x{k}', v) for (n, k), v in formats.items()),
+    key = json.dumps([cpu_signature(), _QUANT_KERNELS_VERSION, str(dtype), sorted((f'{n}x{k}', v) for (n, k), v in formats.items()),
                       {f'{n}x{k}': [s.count, s.max_rows] for (n, k), s in sorted(specs.items())}], sort_keys=True)
     return plan_cache_dir() / f'quant-plan-{hashlib.sha1(key.encode()).hexdigest()[:16]}.json'
 

@@ -258,6 +258,7 @@ def _gguf_part(t, k: int, n_head: int | None = None):
     if fmt is None or fmt.name == 'I8': return f'{t.tensor_type.name} has no native kernel'
     if fmt.row_bytes(k) < 0: return f'{fmt.name} rows of {k} weights do not fit its blocks'
     raw = np.asarray(t.data).reshape(-1, k // fmt.block * fmt.block_bytes)
+    if raw.shape[0] % 16: return f'{raw.shape[0]} rows do not come in groups of 16'
     if n_head: raw = _unpermute_rows(raw, n_head)
     return fmt, torch.from_numpy(repack(fmt, raw, k))
 
@@ -318,7 +319,7 @@ def quantize_linears_int8(model: nn.Module) -> int:
     saved = 0
     for mod in list(model.modules()):
         for name, child in list(mod.named_children()):
-            if isinstance(child, nn.Linear) and child.in_features % 64 == 0:
+            if isinstance(child, nn.Linear) and child.in_features % 64 == 0 and child.out_features % 16 == 0:
                 q = QuantLinear(child.in_features, [(QUANT_FORMATS['I8'], quantize_int8(child.weight))], child.bias)
                 setattr(mod, name, q)
                 tied = getattr(model, 'embed_tokens', None) is not None and child.weight is model.embed_tokens.weight

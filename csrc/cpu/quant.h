@@ -11,24 +11,24 @@
 namespace minisgl {
 namespace cpu {
 
-// Activations [M, K] quantized per block of 32 (quant.cpp): q8 in 64-byte aligned rows; per row the zmm-ready
-// scale of each pair of blocks (dx of block a in lanes 0-7, of b in 8-15), and dx * sum(q8) per block of 32 and
-// per half of 16. reset() sizes it; quantize_rows() fills rows [m0, m1) (any threads, disjoint rows).
+// Activations [M, K] quantized per block of 32 (quant.cpp): q8 in 64-byte aligned rows; per row and block of 32 its
+// scale dx, and dx * sum(q8) per block of 32 and per half of 16. reset() sizes it; quantize_rows() fills rows
+// [m0, m1) (any threads, disjoint rows).
 struct QAct {
   int64_t M = 0, K = 0, Kp = 0;   // Kp: K rounded up to 64
   std::vector<int8_t> q8;        // [M, Kp] (+ 64 bytes of slack for alignment)
-  std::vector<float> dpair;      // [M, K/64, 16]
+  std::vector<float> d32;        // [M, K/32]
   std::vector<float> s32;        // [M, K/32]
   std::vector<float> s16;        // [M, K/16]
   std::vector<float> xf;         // [M, K] fp32: the portable path's input (decode.cpp fills it)
-  std::vector<uint32_t> xpack;   // AMX: x as bf16 pairs in tdpbf16ps' B layout [ceil(M/16)][K/32][16 k-pairs][16 rows]
+  std::vector<uint16_t> xpad;    // AMX: x as bf16 [ceil(M/16) * 16, K], zero rows past M (whole tiles to load)
   int64_t q8_off = 0;
   const int8_t* q(int64_t m) const { return q8.data() + q8_off + m * Kp; }
   void reset(int64_t M, int64_t K);
   void quantize_rows(const float* x, int64_t xs, int64_t m0, int64_t m1);
   void quantize_rows(const uint16_t* x_bf16, int64_t xs, int64_t m0, int64_t m1);
-  void reset_packed(int64_t M, int64_t K);                                   // AMX: sizes xpack (zero padding)
-  void pack_rows(const uint16_t* x_bf16, int64_t xs, int64_t m0, int64_t m1);  // AMX: rows [m0, m1) into xpack
+  void reset_packed(int64_t M, int64_t K);                                   // AMX: sizes xpad (zero padding)
+  void pack_rows(const uint16_t* x_bf16, int64_t xs, int64_t m0, int64_t m1);  // AMX: rows [m0, m1) into xpad
 };
 
 // One linear over quantized parts (rows concatenated), cut into `nparts` ranges of rows for any threads to run.
@@ -38,13 +38,13 @@ struct QuantPlan {
   int64_t N = 0, K = 0, nparts = 1, per = 0;
   const float* bias = nullptr;   // fp32 [N] or null; must outlive the plan's runs
   bool vnni = true;
-  bool amx = false;              // dequantize 16 rows x 32 weights into a bf16 tile, multiply on AMX (bf16 x)
+  bool amx = false;              // dequantize 32 weights x 16 rows into a bf16 tile, multiply on AMX (bf16 x)
 };
 
 // Whether the AMX kernel runs here (AMX-BF16, the tile state lent, no MINISGL_CPU_ISA cap).
 bool quant_amx_here();
 
-// Checked: every part's type holds rows of K weights and its tensor is uint8 [rows, row_bytes].
+// Checked: every part's type holds rows of K weights and its tensor is uint8 [rows, row_bytes], rows % 16 == 0.
 QuantPlan make_quant_plan(const std::vector<at::Tensor>& weights, const std::vector<int64_t>& qtypes, int64_t K,
                           const float* bias, int64_t nparts);
 
