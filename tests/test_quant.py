@@ -159,8 +159,12 @@ def test_server_answers_on_the_native_path():
         s.kill()
 
 
-def test_one_call_decode_step_equals_the_modules():
-    "bf16: the whole decode step in one C++ call (decode.cpp, quantized parts included) gives the module path's logits."
+def test_one_call_decode_step_equals_the_separate_calls():
+    """bf16: the whole decode step in one C++ call (decode.cpp, quantized parts included) gives, to the bit, the logits of
+    the same step as separate calls (`_decode_layers`: each C++ op and each QuantLinear called from Python), and the
+    module path's within LOGIT_BOUND. Not the module path's to the bit: its norms and rotary are Python's, whose bf16
+    rounding can differ from the C++ ops' in the last bit (seen: 3 elements of one row in layer 9), and an activation
+    rounded to int8 per block can turn such a bit into a different q8."""
     import dataclasses
     e = Engine(EngineConfig(model=None, dtype="bfloat16", device="cpu", num_pages=64, max_seq_len=256,
                             quantization="gguf"), progress=False)
@@ -182,4 +186,8 @@ def test_one_call_decode_step_equals_the_modules():
             fused = m(ids, pos, d)
             assert m.last_path == "fused decode"
             modules = m(ids, pos, dataclasses.replace(d, fused=False))
-            assert torch.equal(fused, modules)
+            dc = dataclasses.replace(d, fused=True, positions=pos)
+            x, residual = m._decode_layers(m._embed(ids, dc), dc)
+            separate = m.lm_head(m.norm(x, residual, fused=True)[0]).float()
+            assert torch.equal(fused, separate), (kernel, rows)
+            assert (fused - modules).abs().max() <= LOGIT_BOUND, (kernel, rows)
