@@ -6,7 +6,9 @@ dequantized to bf16 (`none`) and as int8 weights (`int8`), against llama.cpp's `
   is B * new / (the difference), medians over `--reps`;
 - the weight-read bound of each mode: the bytes of weights one decode step reads (the linears and, for the LM head,
   its table) over the read bandwidth measured here (a torch sum over a buffer of the same size);
-- llama.cpp: `llama-bench -n new -p 0` (a single request), if `--llama-bench PATH` is given.
+- llama.cpp: `llama-bench -n new -p 0` (a single request), if `--llama-bench PATH` is given;
+- with `--linears`, only the time of every quantized linear of a decode step of B rows on `q8dot` (each called from
+  Python, so the weights stream from memory as in a step): the kernels alone, to compare two builds side by side.
 
     .venv/bin/python benchmarks/bench_quant.py --llama-bench /path/to/llama-bench --out benchmarks/results/quant.json
 
@@ -72,6 +74,23 @@ def decode_rates(llm, batches, prompt_len, new, reps) -> dict:
     return out
 
 
+def linear_times(llm, batches, reps=9) -> dict:
+    "Milliseconds a decode step of B rows spends in the model's quantized linears on q8dot, called one by one from Python."
+    from minisgl.quant import QuantLinear
+    lins = [m for m in llm.engine.model.modules() if isinstance(m, QuantLinear)]
+    out = {}
+    for b in batches:
+        xs = {k: torch.randn(b, k).to(llm.engine.dtype) for k in {l.in_features for l in lins}}
+        def once():
+            t = time.perf_counter()
+            for l in lins: l.run("q8dot", xs[l.in_features])
+            return time.perf_counter() - t
+        once()
+        out[b] = statistics.median(once() for _ in range(reps)) * 1e3
+        print(f"  quantized linears, {b} rows: {out[b]:.2f} ms ({len(lins)} calls)", flush=True)
+    return out
+
+
 def llama_tg(path: str, gguf: str, threads: int, new: int, reps: int) -> float:
     r = subprocess.run([path, "-m", gguf, "-t", str(threads), "-p", "0", "-n", str(new), "-r", str(reps), "-o", "json"],
                        capture_output=True, text=True, timeout=900)
@@ -88,12 +107,18 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--llama-bench", default=None, metavar="PATH")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--linears", action="store_true", help="only time the quantized linears of --quantization gguf, per batch")
     args = ap.parse_args()
     from minisgl import LLM
     from minisgl.weights import default_gguf_path
     info = cpu_info()
     print(json.dumps(info), flush=True)
     batches = [int(b) for b in args.batches.split(",")]
+    if args.linears:
+        llm = LLM(quantization="gguf", max_running_reqs=max(batches))
+        linear_times(llm, batches)
+        llm.close()
+        return
     results, bounds = {}, {}
     for mode in args.modes.split(","):
         print(f"minisgl --quantization {mode}", flush=True)
