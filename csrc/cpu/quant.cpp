@@ -246,8 +246,8 @@ MINISGL_TQ inline __m512i high4(__m512i v) { return _mm512_and_si512(_mm512_srli
 // row r), and the scale and offset of each row for quads 0-3 (s0, b0) and 4-7 (s1, b1; Q6_K's second half of 16,
 // the same as s0, b0 for every other format).
 template <int64_t T>
-MINISGL_TQ inline void block_of(const uint8_t* g, int64_t K, int64_t j, __m512i q[8], __m512& s0, __m512& b0,
-                                __m512& s1, __m512& b1) {
+MINISGL_TQ inline void block_of(const uint8_t* g, int64_t j, __m512i q[8], __m512& s0, __m512& b0, __m512& s1,
+                                __m512& b1) {
   const int64_t s = j / 8, jj = j % 8;
   if constexpr (T == Q4_0 || T == Q4_1) {
     const uint8_t* rec = g + j * (T == Q4_0 ? kRec40 : kRec41);
@@ -309,7 +309,7 @@ MINISGL_TQ inline __m512i dot4(const __m512i* q, const int8_t* xq) {
   return _mm512_dpbusd_epi32(d, q[3], xquad(xq + 12));
 }
 
-// 16 fp32 outputs (+ bias) into row m of y, at columns col..col+15 (bf16 rounded to nearest even, as c10 does).
+// 16 fp32 outputs into row m of y, at columns col..col+15 (bf16 rounded to nearest even, as c10 does).
 MINISGL_TQ inline __m512i bf16_bits(__m512 v) {
   const __m512i b = _mm512_castps_si512(v);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
@@ -324,7 +324,7 @@ MINISGL_TQ inline void store16(const YOut& y, int64_t m, int64_t col, __m512 v) 
   }
 }
 
-// y[m0 .. m0 + MC, rows n0 .. n0 + 15] for one format T and one group of 16 weight rows at g (MC: a compile-time
+// y[m0 .. m0 + MC, col .. col + 15] for one format T and one group of 16 weight rows at g (MC: a compile-time
 // count, so that the accumulators stay in registers).
 template <int64_t T, int MC>
 MINISGL_TQ void group_vnni(const uint8_t* g, int64_t K, const QAct& a, int64_t m0, const float* bias, const YOut& y,
@@ -335,7 +335,7 @@ MINISGL_TQ void group_vnni(const uint8_t* g, int64_t K, const QAct& a, int64_t m
   for (int64_t j = 0; j < nb; ++j) {
     __m512i q[8];
     __m512 s0, b0, s1, b1;
-    block_of<T>(g, K, j, q, s0, b0, s1, b1);
+    block_of<T>(g, j, q, s0, b0, s1, b1);
     for (int i = 0; i < MC; ++i) {
       const int64_t m = m0 + i;
       const int8_t* xq = a.q(m) + j * 32;
@@ -417,10 +417,10 @@ void check_weight(const at::Tensor& w, int64_t t, int64_t K, const char* fn) {
 
 // Block j of the group at g as bf16 B-tile rows: out[p][2r + e] = w[row r][32 j + 2 p + e].
 template <int64_t T>
-MINISGL_TQA inline void dequant_block_bf16(const uint8_t* g, int64_t K, int64_t j, uint16_t (*out)[32]) {
+MINISGL_TQA inline void dequant_block_bf16(const uint8_t* g, int64_t j, uint16_t (*out)[32]) {
   __m512i q[8];
   __m512 s0, b0, s1, b1;
-  block_of<T>(g, K, j, q, s0, b0, s1, b1);
+  block_of<T>(g, j, q, s0, b0, s1, b1);
   alignas(64) int16_t pairs[32];   // element 2r + e of a B row: element r of the first vector, then of the second
   for (int r = 0; r < 16; ++r) { pairs[2 * r] = static_cast<int16_t>(r); pairs[2 * r + 1] = static_cast<int16_t>(16 + r); }
   const __m512i interleave = _mm512_load_si512(pairs);
@@ -456,7 +456,7 @@ MINISGL_TQA void rows_amx(const uint8_t* w, int64_t rb, int64_t K, int64_t n0, i
   alignas(64) float c[4][16][16];
   for (int64_t n = n0; n < n1; n += 16) {
     const uint8_t* g = w + n * rb;
-    for (int64_t j = 0; j < nb; ++j) dequant_block_bf16<T>(g, K, j, bt[j]);
+    for (int64_t j = 0; j < nb; ++j) dequant_block_bf16<T>(g, j, bt[j]);
     const __m512 bv = bias ? _mm512_loadu_ps(bias + n) : _mm512_setzero_ps();
     for (int64_t cg = 0; cg < chunks; cg += 4) {
       const int ncg = static_cast<int>(std::min<int64_t>(4, chunks - cg));
