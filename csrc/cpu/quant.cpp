@@ -96,7 +96,9 @@ inline float h2f(const uint8_t* p) {
 // Row n of a weight (its group's base g, lane r = n % 16), with the same fp32 operations, in the same order, as
 // gguf-py's numpy dequantization (products of a fp16 scale and small integers are exact in fp32, so contraction
 // into FMAs changes nothing either).
-void dequant_row(int64_t t, const uint8_t* g, int r, int64_t K, float* y) {
+// T is a template argument, so that the format's branch is chosen once per row, not once per weight.
+template <int64_t T>
+void dequant_row_of(const uint8_t* g, int r, int64_t K, float* y) {
   const int64_t nb = K / 32;
   for (int64_t j = 0; j < nb; ++j) {
     const int64_t s = j / 8, jj = j % 8;
@@ -104,54 +106,52 @@ void dequant_row(int64_t t, const uint8_t* g, int r, int64_t K, float* y) {
       for (int b = 0; b < 4; ++b) {
         const int64_t lane = 4 * r + b;
         float* out = y + j * 32 + 4 * c + b;
-        switch (t) {
-          case Q4_0:
-          case Q4_1: {
-            const uint8_t* rec = g + j * (t == Q4_0 ? kRec40 : kRec41);
-            const uint8_t q = rec[(t == Q4_0 ? 32 : 64) + 64 * (c % 4) + lane];
-            const int u = c < 4 ? q & 15 : q >> 4;
-            const float d = h2f(rec + 2 * r);
-            *out = t == Q4_0 ? d * static_cast<float>(u - 8) : d * static_cast<float>(u) + h2f(rec + 32 + 2 * r);
-            break;
-          }
-          case Q8_0: {
-            const uint8_t* rec = g + j * kRec80;
-            *out = h2f(rec + 2 * r) * static_cast<float>(static_cast<int8_t>(rec[32 + 64 * c + lane]));
-            break;
-          }
-          case I8: {
-            float sc;
-            std::memcpy(&sc, g + 4 * r, 4);
-            *out = sc * static_cast<float>(static_cast<int8_t>(g[64 + (8 * j + c) * 64 + lane]));
-            break;
-          }
-          case Q4_K:
-          case Q5_K: {
-            const uint8_t* rec = g + s * (t == Q4_K ? kRec4K : kRec5K);
-            const uint8_t* qs = rec + (t == Q4_K ? 320 : 832);
-            const uint8_t q = qs[(8 * (jj / 2) + c) * 64 + lane];
-            int u = jj % 2 ? q >> 4 : q & 15;
-            if (t == Q5_K && (rec[320 + 64 * c + lane] >> jj & 1)) u += 16;
-            const float sc = h2f(rec + 2 * r) * static_cast<float>(rec[64 + 16 * jj + r]);
-            const float mn = h2f(rec + 32 + 2 * r) * static_cast<float>(rec[192 + 16 * jj + r]);
-            *out = sc * static_cast<float>(u) - mn;
-            break;
-          }
-          case Q6_K: {
-            const uint8_t* rec = g + s * kRec6K;
-            const int h = static_cast<int>(jj / 4), tq = static_cast<int>(jj % 4);
-            const uint8_t* half = rec + 288 + 1536 * h;
-            const int lo = half[(8 * (tq & 1) + c) * 64 + lane] >> (4 * (tq >> 1)) & 15;
-            const int hi = half[1024 + 64 * c + lane] >> (2 * tq) & 3;
-            const int sub = 8 * h + 2 * tq + (c >= 4);
-            const float sc = h2f(rec + 2 * r) * static_cast<float>(static_cast<int8_t>(rec[32 + 16 * sub + r]));
-            *out = sc * static_cast<float>((lo | hi << 4) - 32);
-            break;
-          }
-          default:
-            TORCH_CHECK(false, "unknown quantized type ", t);
+        if constexpr (T == Q4_0 || T == Q4_1) {
+          const uint8_t* rec = g + j * (T == Q4_0 ? kRec40 : kRec41);
+          const uint8_t q = rec[(T == Q4_0 ? 32 : 64) + 64 * (c % 4) + lane];
+          const int u = c < 4 ? q & 15 : q >> 4;
+          const float d = h2f(rec + 2 * r);
+          *out = T == Q4_0 ? d * static_cast<float>(u - 8) : d * static_cast<float>(u) + h2f(rec + 32 + 2 * r);
+        } else if constexpr (T == Q8_0) {
+          const uint8_t* rec = g + j * kRec80;
+          *out = h2f(rec + 2 * r) * static_cast<float>(static_cast<int8_t>(rec[32 + 64 * c + lane]));
+        } else if constexpr (T == I8) {
+          float sc;
+          std::memcpy(&sc, g + 4 * r, 4);
+          *out = sc * static_cast<float>(static_cast<int8_t>(g[64 + (8 * j + c) * 64 + lane]));
+        } else if constexpr (T == Q4_K || T == Q5_K) {
+          const uint8_t* rec = g + s * (T == Q4_K ? kRec4K : kRec5K);
+          const uint8_t* qs = rec + (T == Q4_K ? 320 : 832);
+          const uint8_t q = qs[(8 * (jj / 2) + c) * 64 + lane];
+          int u = jj % 2 ? q >> 4 : q & 15;
+          if constexpr (T == Q5_K) u += (rec[320 + 64 * c + lane] >> jj & 1) << 4;
+          const float sc = h2f(rec + 2 * r) * static_cast<float>(rec[64 + 16 * jj + r]);
+          const float mn = h2f(rec + 32 + 2 * r) * static_cast<float>(rec[192 + 16 * jj + r]);
+          *out = sc * static_cast<float>(u) - mn;
+        } else {   // Q6_K
+          const uint8_t* rec = g + s * kRec6K;
+          const int h = static_cast<int>(jj / 4), tq = static_cast<int>(jj % 4);
+          const uint8_t* half = rec + 288 + 1536 * h;
+          const int lo = half[(8 * (tq & 1) + c) * 64 + lane] >> (4 * (tq >> 1)) & 15;
+          const int hi = half[1024 + 64 * c + lane] >> (2 * tq) & 3;
+          const int sub = 8 * h + 2 * tq + (c >= 4);
+          const float sc = h2f(rec + 2 * r) * static_cast<float>(static_cast<int8_t>(rec[32 + 16 * sub + r]));
+          *out = sc * static_cast<float>((lo | hi << 4) - 32);
         }
       }
+  }
+}
+
+void dequant_row(int64_t t, const uint8_t* g, int r, int64_t K, float* y) {
+  switch (t) {
+    case Q4_0: return dequant_row_of<Q4_0>(g, r, K, y);
+    case Q4_1: return dequant_row_of<Q4_1>(g, r, K, y);
+    case Q8_0: return dequant_row_of<Q8_0>(g, r, K, y);
+    case Q4_K: return dequant_row_of<Q4_K>(g, r, K, y);
+    case Q5_K: return dequant_row_of<Q5_K>(g, r, K, y);
+    case Q6_K: return dequant_row_of<Q6_K>(g, r, K, y);
+    case I8: return dequant_row_of<I8>(g, r, K, y);
+    default: TORCH_CHECK(false, "unknown quantized type ", t);
   }
 }
 
