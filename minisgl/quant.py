@@ -217,7 +217,6 @@ _QUANT_PASS_BYTES = 64 << 20     # weight bytes cycled through per timing, at mo
 _QUANT_MAX_CALL_FLOPS = 4e9      # calls above this are not timed (the last bucket's time is scaled)
 _QUANT_HOPELESS = 4.0            # a kernel this many times slower than the other is not timed at more rows,
 _QUANT_PRUNE_FROM = 64           # ... from this many on (dequantizing pays off only over many rows)
-_QUANT_KERNELS_VERSION = 2        # bumped when a quantized kernel or the weight layout changes: plans are measured anew
 
 
 def quant_specs(model: nn.Module, max_batch: int) -> dict[tuple[int, int], LinearSpec]:
@@ -262,7 +261,7 @@ def measure_quant_linear(lins: list[QuantLinear], rows: list[int], dtype: torch.
 
 
 def _quant_plan_file(specs, formats: dict, dtype: torch.dtype) -> Path:
-    key = json.dumps([cpu_signature(), _QUANT_KERNELS_VERSION, str(dtype), sorted((f'{n}x{k}', v) for (n, k), v in formats.items()),
+    key = json.dumps([cpu_signature(), str(dtype), sorted((f'{n}x{k}', v) for (n, k), v in formats.items()),
                       {f'{n}x{k}': [s.count, s.max_rows] for (n, k), s in sorted(specs.items())}], sort_keys=True)
     return plan_cache_dir() / f'quant-plan-{hashlib.sha1(key.encode()).hexdigest()[:16]}.json'
 
