@@ -10,19 +10,12 @@ import pytest
 import torch
 
 from minisgl.kernels import native
+from minisgl.linear import _cpu_model_and_flags   # the kernel plan's reading of /proc/cpuinfo
 from minisgl.quant import QUANT_FORMATS, quantize_int8, random_gguf_rows, repack
 
 CPU = Path(__file__).resolve().parent.parent / "csrc" / "cpu"
 
-
-def cpu_flags() -> set[str]:
-    try:
-        return set(next(l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("flags")).split())
-    except (OSError, StopIteration):
-        return set()
-
-
-pytestmark = pytest.mark.skipif(not {"avx512_bf16", "avx512_vnni"} <= cpu_flags(),
+pytestmark = pytest.mark.skipif(not {"avx512_bf16", "avx512_vnni"} <= set(_cpu_model_and_flags()[1]),
                                 reason="the emulated AMX kernel still dequantizes with AVX512-BF16 and VNNI")
 
 
@@ -43,7 +36,6 @@ def check(ext, w, qtype, x, bias, k):
     y = ext.quant_linear(x, [w], [qtype], bias, 2).double()
     slack = 2 ** -7 * (x.double().abs() @ wd.abs().T + (0 if bias is None else bias.double().abs())) + 1e-6
     assert ((y - ref).abs() <= slack).all(), (qtype, tuple(x.shape), (y - ref).abs().max().item())
-    return (y - ref).abs().max().item()
 
 
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
