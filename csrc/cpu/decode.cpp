@@ -178,9 +178,9 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_cpu(
       if (!act) {
         act.reset(new QAct());
         act->reset(n, cols);
-        act->reset_packed(n, cols);
         if (!p.qp.vnni) act->xf.resize(n * cols);
       }
+      if (p.qp.amx && act->xpad.empty()) act->reset_packed(n, cols);   // only where an AMX projection reads it
       p.act = act.get();
       return p;
     }
