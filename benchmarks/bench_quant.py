@@ -7,6 +7,8 @@ dequantized to bf16 (`none`) and as int8 weights (`int8`), against llama.cpp's `
 - the weight-read bound of each mode: the bytes of weights one decode step reads (the linears and, for the LM head,
   its table) over the read bandwidth measured here (a torch sum over a buffer of the same size);
 - llama.cpp: `llama-bench -n new -p 0` (a single request), if `--llama-bench PATH` is given;
+- with `--choice N`, only what `quantization='auto'` measures (chapter engine, `measure_quantization`): decode steps
+  of 1, 8 and 32 requests natively and dequantized, N times in turn, with each run's choice and the medians;
 - with `--linears`, only the time of every quantized linear of a decode step of B rows on `q8dot` (each called from
   Python, so the weights stream from memory as in a step): the kernels alone, to compare two builds side by side.
 
@@ -107,6 +109,7 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--llama-bench", default=None, metavar="PATH")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--choice", type=int, default=0, metavar="N", help="only time auto's measurement N times (no generation)")
     ap.add_argument("--linears", action="store_true", help="only time the quantized linears of --quantization gguf, per batch")
     args = ap.parse_args()
     from minisgl import LLM
@@ -114,6 +117,21 @@ def main():
     info = cpu_info()
     print(json.dumps(info), flush=True)
     batches = [int(b) for b in args.batches.split(",")]
+    if args.choice:
+        from minisgl.engine import EngineConfig, measure_quantization
+        runs = []
+        for i in range(args.choice):
+            c = measure_quantization(EngineConfig())
+            runs.append({"native": c.native, "dequantized": c.dequantized, "ratio": c.ratio, "choice": c.quantization})
+            print(f"  run {i + 1}: {c}", flush=True)
+        med = {k: {m: statistics.median(r[k][m] for r in runs) for m in runs[0][k]} for k in ("native", "dequantized")}
+        print("medians, ms a step: " + ", ".join(f"{m} rows {med['native'][m] * 1e3:.1f} natively vs "
+                                                f"{med['dequantized'][m] * 1e3:.1f} dequantized" for m in med["native"]), flush=True)
+        if args.out:
+            from minisgl.engine import _resolve_dtype
+            dtype = str(_resolve_dtype("auto", torch.device("cpu")))   # what EngineConfig() ran: the default dtype here
+            with open(args.out, "w") as f: json.dump({"info": info, "dtype": dtype, "choice_runs": runs, "medians": med}, f, indent=1)
+        return
     if args.linears:
         llm = LLM(quantization="gguf", max_running_reqs=max(batches))
         linear_times(llm, batches)

@@ -110,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("tune", help="measure the CPU matmul kernels for a model and show the plan",
                        description="Time every CPU matmul kernel (GEMV, packed tiles, AMX, oneDNN, torch) for each weight shape "
                                    "of the model and each batch size, keep the fastest per shape and size, and save the plan "
-                                   "where `minisgl serve` and `LLM` read it. The engine does this by itself on its first start.")
+                                   "where `minisgl serve` and `LLM` read it; for a quantized .gguf, also time decode natively and "
+                                   "dequantized, which `--quantization auto` follows. The engine does both by itself on its first start.")
     t.add_argument("--show", action="store_true", help="print the saved plan (measuring only if there is none)")
     add_options(t, EngineConfig, names=("model", "max_running_reqs", "kernel_layouts"))
     return p
@@ -129,7 +130,22 @@ def run_tune(ns: argparse.Namespace, out=sys.stdout) -> int:
           f"kept in {str(plan_cache_file(specs)).replace(os.path.expanduser('~'), '~', 1)}", file=out)
     print("each cell: the kernel picked for up to that many rows, and how much faster it was than the next best\n", file=out)
     print(plan.table(), file=out)
+    _tune_quantization(ns, out)
     return 0
+
+
+def _tune_quantization(ns: argparse.Namespace, out) -> None:
+    "For a quantized .gguf: what `--quantization auto` serves here, natively or dequantized (`--show`: as saved; else measured anew)."
+    import torch
+    from minisgl.engine import (EngineConfig, _choice_file, _read_choice, _resolve_dtype, _resolve_quantization,
+                                quantization_choice)
+    cfg, cpu = EngineConfig(model=ns.model), torch.device('cpu')
+    if _resolve_quantization(cfg, cpu) != 'auto': return
+    dtype = _resolve_dtype('auto', cpu)
+    if not ns.show: print("measuring decode natively and dequantized (about a minute)...", file=sys.stderr, flush=True)
+    choice = _read_choice(_choice_file(cfg, dtype)) if ns.show else quantization_choice(cfg, dtype, fresh=True)
+    print(f"\n--quantization auto serves {choice}" if choice else
+          "\n--quantization auto: not measured here yet (the first start measures it; `minisgl tune` does now)", file=out)
 
 # %% ../nbs/13_cli.ipynb #3a3316ff
 HELP = "commands: /reset forgets the conversation, /exit quits (or Ctrl-D); anything else is sent to the model"

@@ -4,7 +4,13 @@
 
 # %% ../nbs/08_engine.ipynb #aff68f54
 from __future__ import annotations
+import fcntl
+import hashlib
+import json
 import logging
+import math
+import os
+import statistics
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -16,10 +22,11 @@ from fastcore.basics import patch
 from .core import Batch, ChunkedReq, ForwardOutput, SamplingParams, check, check_choice, check_int, option
 from .kernels import native
 from .kvcache import KVPool
-from .linear import (KERNELS, ROW_BUCKETS, KernelPlan, PackedLinear, can_pack_linears, kernel_plan, linear_specs,
-                            pack_linears, to_huge_pages)
+from .linear import (KERNELS, ROW_BUCKETS, KernelPlan, PackedLinear, can_pack_linears, cpu_signature, kernel_plan,
+                            linear_specs, pack_linears, plan_cache_dir, to_huge_pages)
+from .messages import UserMsg
 from .models import CausalLM, ForwardContext, ModelConfig
-from .scheduler import MIN_PROMPT_CHUNK, ModelRunner, SchedulerConfig
+from .scheduler import MIN_PROMPT_CHUNK, ModelRunner, Scheduler, SchedulerConfig
 from .sampling import SamplingBatch, greedy_tokens, sample
 from .quant import quant_plan, quant_specs
 from .weights import (eos_token_ids, load_gguf_model, load_hf_config, load_model, quantize_linears_int8, load_tokenizer, model_problem, resolve_model,
@@ -28,8 +35,10 @@ from .weights import (eos_token_ids, load_gguf_model, load_hf_config, load_model
 logger = logging.getLogger('minisgl.engine')
 
 # %% auto #0
-__all__ = ['logger', 'QUANTIZATIONS', 'PLANNED_ROWS', 'SERVE_ITL_TARGET', 'FIXED_LIMITS', 'EngineConfig', 'cpu_has_fast_bf16',
-           'free_memory', 'Engine', 'model_linear_specs', 'BatchLimits', 'linear_seconds', 'fit_limits', 'EngineArgs']
+__all__ = ['logger', 'QUANTIZATIONS', 'PLANNED_ROWS', 'SERVE_ITL_TARGET', 'FIXED_LIMITS', 'CHOICE_ROWS', 'EngineConfig',
+           'cpu_has_fast_bf16', 'free_memory', 'Engine', 'model_linear_specs', 'BatchLimits', 'linear_seconds',
+           'fit_limits', 'EngineArgs', 'decode_step_seconds', 'QuantChoice', 'measure_quantization',
+           'quantization_choice']
 
 # %% ../nbs/08_engine.ipynb #2a257558
 QUANTIZATIONS = ('auto', 'none', 'gguf', 'int8')
@@ -57,8 +66,8 @@ class EngineConfig:
                                   "measure measures anew, a kernel name forces it", choices=('auto', 'measure', *KERNELS))
     quantization: str = option('auto', "weights as stored or quantized: gguf runs a .gguf model's quantized tensors as they are "
                                        "(chapter quant; formats without a kernel are dequantized, each logged), int8 quantizes every "
-                                       "linear per channel at load time, none dequantizes a .gguf to --dtype; auto: none, measured the "
-                                       "faster so far (README)", choices=QUANTIZATIONS)
+                                       "linear per channel at load time, none dequantizes a .gguf to --dtype; auto: for a .gguf on a CPU, "
+                                       "gguf or none, whichever decodes faster here (measured once per machine and kept, logged), else none", choices=QUANTIZATIONS)
     kernel_layouts: int = option(2, "weight layouts a linear may keep: 1 holds one copy of the weights, 2 lets decode and prefill "
                                     "each take their fastest kernel", choices=(1, 2, 3), metavar='N')
     sampling_defaults: str = option('model', "sampling for requests that leave it out: model reads the model's generation_config.json "
@@ -177,6 +186,11 @@ class Engine:
 def _load_model(self: Engine) -> CausalLM:
     "The model with all its weights, quantized as `config.quantization` says (a `TPEngine` loads its rank's slice)."
     q = self.quantization = _resolve_quantization(self.config, self.device)
+    self.quantization_choice = None
+    if q == 'auto':      # a quantized .gguf on a CPU: natively or dequantized, whichever decodes faster here
+        self.quantization_choice = quantization_choice(self.config, self.dtype)
+        q = self.quantization = self.quantization_choice.quantization
+        logger.info('--quantization auto: %s', self.quantization_choice)
     if self.device.type == 'cpu':
         from minisgl.quant import QUANT_FORMATS, vnni_available
         logger.info('quantized weights run natively here: %s (%s); --quantization %s', ', '.join(QUANT_FORMATS),
@@ -196,11 +210,11 @@ def _gguf_file(model: str | None) -> Path | None:
     return Path(model).expanduser() if str(model).endswith('.gguf') else None
 
 def _resolve_quantization(config: EngineConfig, device: torch.device) -> str:
-    "What `config.quantization` means here: auto is none, the faster of the two on the project's machines so far (README: bench_quant)."
+    "What `config.quantization` means here; 'auto' stays auto (to be measured) only for a .gguf on one CPU whose dense kernels are not forced."
     q, gguf = config.quantization, _gguf_file(config.model)
-    # measured (benchmarks/bench_quant.py, Intel Xeon with AMX, README): one request decodes at 104 tok/s natively against
-    # 83 from bf16, but 32 together at 1082 against 1459; auto becomes gguf where the native path wins batches too
-    if q == 'auto': return 'none'
+    if q == 'auto':
+        measured = gguf is not None and device.type == 'cpu' and config.tp_size == 1 and config.kernels not in KERNELS
+        return 'auto' if measured else 'none'
     check(q != 'gguf' or gguf is not None, 'quantization', f'gguf needs a .gguf model, got {config.model!r} (int8 quantizes any model)')
     check(q == 'none' or device.type == 'cpu', 'quantization', f'{q} runs on the CPU only, got {device}')
     return q
@@ -452,3 +466,93 @@ def forward_batch(self: Engine, batch: Batch) -> ForwardOutput:
         out = ForwardOutput(s.tokens.int(), s.logprobs, s.top_logprobs)
     if constrained: _advance_grammars(constrained, out)
     return out
+
+# %% ../nbs/08_engine.ipynb #a2f9cd1b
+def decode_step_seconds(engine: ModelRunner, rows: int, steps: int = 6, prompt_len: int = 16) -> float:
+    "Median seconds of one decode step of `rows` requests running together on `engine` (their prompts prefilled first, untimed)."
+    sched = Scheduler(engine, SchedulerConfig(max_running_reqs=rows, prefill_budget=max(rows * prompt_len, MIN_PROMPT_CHUNK)))
+    params = SamplingParams(max_tokens=steps + 3, temperature=0, ignore_eos=True)
+    for uid in range(rows):   # distinct prompts, so that no prefix is shared
+        sched.submit(UserMsg(uid, [(uid * prompt_len + i) % engine.vocab_size for i in range(prompt_len)], params))
+    started, times = set(), []
+    while len(started) < rows: started |= {o.uid for o in sched.step()}
+    sched.step()                                       # the first decode step warms up (kernel caches, buffers)
+    for _ in range(steps):
+        t0 = time.perf_counter(); out = sched.step(); dt = time.perf_counter() - t0
+        if len(out) == rows: times.append(dt)          # a step that decoded every request
+    sched.run_until_idle()
+    return statistics.median(times)
+
+# %% ../nbs/08_engine.ipynb #ac32598e
+CHOICE_ROWS = (1, 8, 32)   # decode batches `auto` weighs: one request, a few, many (bench_quant's columns)
+
+@dataclass(frozen=True)
+class QuantChoice:
+    "Seconds of one decode step at each number of rows, of a .gguf natively and dequantized, and what `auto` makes of them."
+    native: dict[int, float]          # rows -> seconds, quantization='gguf'
+    dequantized: dict[int, float]     # rows -> seconds, quantization='none'
+    source: str = 'measured'          # 'measured', 'cache <file>', or why nothing was measured
+
+    @property
+    def ratio(self) -> float:
+        "Native over dequantized step time, the geometric mean over the rows (below 1: native is faster)."
+        if not self.native: return math.inf
+        return math.prod(self.native[m] / self.dequantized[m] for m in self.native) ** (1 / len(self.native))
+
+    @property
+    def quantization(self) -> str: return 'gguf' if self.ratio <= 1 else 'none'
+
+    def __str__(self) -> str:
+        if not self.native: return f'{self.quantization} ({self.source})'
+        steps = ', '.join(f'{m}: {self.native[m] * 1e3:.1f} vs {self.dequantized[m] * 1e3:.1f}' for m in self.native)
+        return (f'{self.quantization}: ms a decode step natively vs dequantized, by rows, {steps}; '
+                f'geometric mean ratio {self.ratio:.2f} ({self.source})')
+
+# %% ../nbs/08_engine.ipynb #28cf16b8
+def measure_quantization(config: EngineConfig, rows: tuple[int, ...] = CHOICE_ROWS) -> QuantChoice:
+    "Time decode steps of `config`'s .gguf natively and dequantized (one engine at a time): the figures behind `quantization='auto'`."
+    times = {}
+    for q in ('gguf', 'none'):   # the default row limit keeps the kernel plans the engine itself would read
+        eng = Engine(replace(config, quantization=q, max_running_reqs=max(PLANNED_ROWS, *rows), max_seq_len=64,
+                             kv_memory_gb=None, num_pages=(max(rows) + 1) * -(-64 // config.page_size)), progress=False)
+        try:
+            if q == 'gguf' and not quant_specs(eng.model, 1): return QuantChoice({}, {}, 'no quantized linears in the file')
+            times[q] = {m: decode_step_seconds(eng, m) for m in rows}
+        finally:
+            eng.close(); del eng
+    return QuantChoice(times['gguf'], times['none'])
+
+
+def _choice_file(config: EngineConfig, dtype: torch.dtype) -> Path:
+    gguf = _gguf_file(config.model)
+    key = json.dumps([cpu_signature(), str(dtype), gguf.name, gguf.stat().st_size, CHOICE_ROWS], sort_keys=True)
+    return plan_cache_dir() / f'quantization-{hashlib.sha1(key.encode()).hexdigest()[:16]}.json'
+
+
+def _read_choice(path: Path) -> QuantChoice | None:
+    "The choice saved in `path`, if it is whole; else None."
+    try:
+        d = json.loads(path.read_text())
+        native, deq = ({int(m): float(s) for m, s in d[k].items()} for k in ('native', 'dequantized'))
+        if native.keys() == deq.keys() and all(s > 0 for s in [*native.values(), *deq.values()]):
+            return QuantChoice(native, deq, f'cache {path}')
+    except (OSError, ValueError, KeyError, TypeError, AttributeError): pass
+    return None
+
+
+def quantization_choice(config: EngineConfig, dtype: torch.dtype, fresh: bool | None = None) -> QuantChoice:
+    "`auto`'s choice for `config`'s .gguf on this machine: read from the plan cache, else (or `fresh`) measured and kept there."
+    path = _choice_file(config, dtype)
+    fresh = config.kernels == 'measure' if fresh is None else fresh
+    if not fresh and (choice := _read_choice(path)): return choice
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix('.lock'), 'w') as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)   # engines starting together on one machine measure one at a time, and once
+        if not fresh and (choice := _read_choice(path)): return choice
+        logger.info('measuring once whether %s decodes faster natively or dequantized on this CPU (kept in %s)',
+                    _gguf_file(config.model).name, path)
+        choice = measure_quantization(config)
+        tmp = path.with_suffix(f'.tmp{os.getpid()}')   # kept even when empty (no quantized linears): no need to look again
+        tmp.write_text(json.dumps(dict(native=choice.native, dequantized=choice.dequantized), indent=1))
+        os.replace(tmp, path)                          # atomic: a reader never sees half a file
+    return choice

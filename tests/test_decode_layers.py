@@ -253,7 +253,7 @@ def test_bf16_engine_overlap_loop_same_tokens():
     from minisgl.engine import Engine, EngineConfig
     from minisgl.messages import UserMsg
     from minisgl.scheduler import Scheduler, SchedulerConfig
-    eng = Engine(EngineConfig(dtype="bfloat16", device="cpu", max_running_reqs=8, max_seq_len=256), progress=False)
+    eng = Engine(EngineConfig(dtype="bfloat16", device="cpu", max_running_reqs=8, max_seq_len=256, quantization="none"), progress=False)
     text = "The history of computing is a story of people trying to make machines do arithmetic faster. " * 6
     ids = eng.tokenizer(text)["input_ids"]
     prompts = [ids[3 * i: 3 * i + n] for i, n in enumerate((1, 5, 17, 40, 64, 9, 100))]

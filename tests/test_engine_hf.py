@@ -46,7 +46,7 @@ def one_thread():
 @pytest.fixture(scope="module")
 def engine(one_thread):
     torch.manual_seed(0)
-    return Engine(EngineConfig(model=None, dtype="float32", device="cpu", page_size=4, num_pages=1200,
+    return Engine(EngineConfig(model=None, dtype="float32", device="cpu", page_size=4, num_pages=1200, quantization="none",
                                max_seq_len=1024), progress=False)
 
 

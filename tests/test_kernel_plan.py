@@ -224,7 +224,7 @@ def test_forced_kernels_same_greedy_tokens():
     sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=True, top_logprobs=3)
     runs = {}
     for kernel in ("auto", *[k for k in KERNELS if kernel_runs(k, 1, 576)]):
-        llm = LLM(dtype="bfloat16", max_seq_len=256, max_running_reqs=8, kernels=kernel)
+        llm = LLM(dtype="bfloat16", max_seq_len=256, max_running_reqs=8, kernels=kernel, quantization="none")
         assert llm.engine.kernel_plan is not None
         if kernel != "auto":
             assert llm.engine.kernel_plan.source == f"forced {kernel}"
@@ -249,7 +249,7 @@ def test_engine_logs_its_plan(cache, caplog):
     from minisgl.engine import Engine, EngineConfig
     with caplog.at_level(logging.INFO):
         eng = Engine(EngineConfig(dtype="bfloat16", device="cpu", max_running_reqs=4, max_seq_len=64,
-                                  kernel_layouts=1), progress=False)
+                                  kernel_layouts=1, quantization="none"), progress=False)
     assert "kernel plan (measured)" in caplog.text and "| rows |" in caplog.text
     assert eng.kernel_extra_bytes == 0   # one layout per linear
     for mod in eng.model.modules():

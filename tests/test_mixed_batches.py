@@ -16,7 +16,7 @@ TEXT = ("The history of computing is a story of people trying to make machines d
 
 @pytest.fixture(scope="module")
 def engines():
-    kw = dict(device="cpu", max_running_reqs=4, max_seq_len=256)
+    kw = dict(device="cpu", max_running_reqs=4, max_seq_len=256, quantization="none")   # the dense paths
     return {dt: Engine(EngineConfig(dtype=dt, **kw), progress=False) for dt in ("float32", "bfloat16")}
 
 
@@ -67,12 +67,13 @@ def test_bf16_policies_agree(engines):
     first, kinds = run(eng, "prefill_first", prompts, top=True)
     assert all(len(k) == 1 for k in kinds)   # prefill-first never mixes
     # bf16 kernels round differently per batch shape: the same tokens up to the first near tie, where each
-    # run's pick must be the other's runner-up within 0.2 in log-probability (the HF-parity rule)
+    # run's pick must be the other's runner-up within 0.3 in log-probability: a bf16 logit between 16 and 32 moves
+    # in steps of 0.125, and a gap of two such steps (each logit rounded once the other way) was seen
     for i in mixed:
         a, b = mixed[i], first[i]
         assert len(a) == len(b) == 10
         diff = next((j for j, (x, y) in enumerate(zip(a, b)) if x[0] != y[0]), None)
         if diff is None: continue
         near_a, near_b = dict(map(tuple, a[diff][1])), dict(map(tuple, b[diff][1]))
-        assert b[diff][0] in near_a and near_a[a[diff][0]] - near_a[b[diff][0]] < 0.2, (i, diff, a[diff], b[diff])
-        assert a[diff][0] in near_b and near_b[b[diff][0]] - near_b[a[diff][0]] < 0.2, (i, diff, a[diff], b[diff])
+        assert b[diff][0] in near_a and near_a[a[diff][0]] - near_a[b[diff][0]] < 0.3, (i, diff, a[diff], b[diff])
+        assert a[diff][0] in near_b and near_b[b[diff][0]] - near_b[a[diff][0]] < 0.3, (i, diff, a[diff], b[diff])

@@ -191,3 +191,52 @@ def test_one_call_decode_step_equals_the_separate_calls():
             separate = m.lm_head(m.norm(x, residual, fused=True)[0]).float()
             assert torch.equal(fused, separate), (kernel, rows)
             assert (fused - modules).abs().max() <= LOGIT_BOUND, (kernel, rows)
+
+
+def test_auto_measures_native_against_dequantized_once(tmp_path, caplog, monkeypatch):
+    """`quantization='auto'` on the embedded .gguf: decode steps of 1, 8 and 32 rows timed on an engine built each way,
+    the faster by the geometric mean kept (the engine's quantization is the choice's), the figures saved in the plan cache
+    and read back by the next engine; an HF directory, a forced dense kernel or tensor parallelism stay `none`."""
+    import json
+    import logging
+    from minisgl.engine import CHOICE_ROWS, _choice_file, _resolve_quantization
+    cfg = EngineConfig(model=None, dtype="bfloat16", device="cpu", num_pages=64, max_seq_len=256)
+    path = _choice_file(cfg, torch.bfloat16)
+    path.unlink(missing_ok=True)   # measured here, whatever ran before (the kernel plans stay cached)
+    with caplog.at_level(logging.INFO, logger="minisgl.engine"):
+        first = Engine(cfg, progress=False)
+    choice = first.quantization_choice
+    assert choice.source == "measured" and "measuring once whether" in caplog.text
+    assert set(choice.native) == set(choice.dequantized) == set(CHOICE_ROWS)
+    assert all(0 < s < 10 for s in [*choice.native.values(), *choice.dequantized.values()])
+    assert first.quantization == choice.quantization == ("gguf" if choice.ratio <= 1 else "none")
+    assert any(isinstance(m, QuantLinear) for m in first.model.modules()) == (first.quantization == "gguf")
+    saved = json.loads(path.read_text())
+    assert {int(m): s for m, s in saved["native"].items()} == choice.native
+    second = Engine(cfg, progress=False)
+    assert second.quantization_choice.source == f"cache {path}" and second.quantization == first.quantization
+    import minisgl.engine as engine_mod
+    from minisgl.engine import QuantChoice, quantization_choice
+    remeasured = QuantChoice({1: 2.0}, {1: 1.0})
+    monkeypatch.setattr(engine_mod, "measure_quantization", lambda config: remeasured)
+    path.write_text("{not json")   # a damaged file is measured again, not trusted, and replaced
+    assert quantization_choice(cfg, torch.bfloat16) is remeasured and quantization_choice(cfg, torch.bfloat16).native == {1: 2.0}
+    assert quantization_choice(cfg, torch.bfloat16).quantization == "none"
+    import threading, time
+    calls = []
+    def slow(config):
+        calls.append(1); time.sleep(0.5); return QuantChoice({1: 1.0}, {1: 2.0})
+    monkeypatch.setattr(engine_mod, "measure_quantization", slow)
+    path.unlink()
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(quantization_choice(cfg, torch.bfloat16))) for _ in range(2)]
+    for t in threads: t.start()
+    for t in threads: t.join()
+    assert len(calls) == 1 and [c.quantization for c in got] == ["gguf", "gguf"]   # started together, measured once
+    path.unlink()   # the stub's figures are not this machine's
+    dev = torch.device("cpu")
+    assert _resolve_quantization(EngineConfig(kernels="gemv"), dev) == "none"
+    assert _resolve_quantization(EngineConfig(tp_size=2), dev) == "none"
+    assert _resolve_quantization(EngineConfig(model=str(tmp_path)), dev) == "none"
+    assert _resolve_quantization(EngineConfig(), torch.device("cuda")) == "none"
+    assert _resolve_quantization(EngineConfig(), dev) == "auto"

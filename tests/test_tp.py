@@ -36,7 +36,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "A short poem 
 def run(model, tp, n=20, dtype="float32", **kw):
     "Greedy tokens (and, for TP=1, the two best logprobs per step) of `PROMPTS` on `tp` ranks."
     sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, top_logprobs=2 if tp == 1 else 0)
-    with LLM(model, dtype=dtype, tp_size=tp, max_running_reqs=4, **kw) as llm:
+    with LLM(model, dtype=dtype, tp_size=tp, max_running_reqs=4, quantization="none", **kw) as llm:
         outs = llm.generate(PROMPTS, sp)
         path = llm.engine.model.last_path
     return outs, path
