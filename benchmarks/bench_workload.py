@@ -2,9 +2,10 @@
 tokens, 64 new tokens each, greedy, EOS ignored, the default model (SmolLM2-135M-Instruct).
 
 - minisgl: `LLM()` with its defaults (bf16 where its bf16 kernels run, prefill-first rounds; its kernel plan
-  measured or read from the cache first), and the same engine with mixed batches (`minisgl_mixed`); with
-  `--variants minisgl,minisgl_mixed,minisgl_fp32` also `LLM(dtype="float32")`, which is what a CPU without
-  the bf16 kernels runs;
+  measured or read from the cache first; the GGUF served natively or dequantized, as `quantization='auto'` measured
+  here), and the same engine with mixed batches (`minisgl_mixed`); with
+  `--variants minisgl,minisgl_mixed,minisgl_fp32,minisgl_gguf,minisgl_none` also `LLM(dtype="float32")`, which is
+  what a CPU without the bf16 kernels runs, and the file forced native (`quantization="gguf"`) or dequantized (`"none"`);
 - HF transformers: `generate` over static batches (left-padded), the best of batch 16 and batch 48, in the faster of
   bf16 and fp32 on this CPU (torch's bf16 matmul is a generic loop on a CPU without AVX-512, where fp32 is several
   times faster): a probe (8 prompts, 8 new tokens, each dtype) picks it, and the JSON keeps the probe's times;
@@ -149,7 +150,8 @@ def main():
     ap.add_argument("--hf-batches", default="16,48")
     ap.add_argument("--hf-dtypes", default="bfloat16,float32", help="HF's candidate dtypes; a probe keeps the faster")
     ap.add_argument("--variants", default="minisgl,minisgl_mixed",
-                    help="minisgl runs: minisgl (LLM() defaults), minisgl_mixed (mixed batches), minisgl_fp32 (dtype float32)")
+                    help="minisgl runs: minisgl (LLM() defaults), minisgl_mixed (mixed batches), minisgl_fp32 (dtype float32), "
+                         "minisgl_gguf / minisgl_none (quantization forced)")
     ap.add_argument("--llama-python", default=None, metavar="PATH", help="a Python with llama_cpp installed")
     ap.add_argument("--out", default=None, metavar="FILE.json")
     ap.add_argument("--no-cap-run", action="store_true", help="on an AMX CPU, skip the run capped below AMX (oneDNN and minisgl)")
@@ -161,12 +163,12 @@ def main():
     print(banner(info), flush=True)
     model_dir = resolve_model(None, progress=False)
     variants = args.variants.split(",")
-    unknown = set(variants) - {"minisgl", "minisgl_mixed", "minisgl_fp32"}
+    unknown = set(variants) - {"minisgl", "minisgl_mixed", "minisgl_fp32", "minisgl_gguf", "minisgl_none"}
     if "minisgl" not in variants or unknown: ap.error(f"--variants must include minisgl; unknown: {sorted(unknown)}")
     t = time.perf_counter()
     llm = LLM()   # defaults; its kernel plan is measured here on a first start, else read
     plan = llm.engine.kernel_plan
-    print(f"minisgl loaded in {time.perf_counter() - t:.1f} s ({llm.engine.dtype}), kernel plan: "
+    print(f"minisgl loaded in {time.perf_counter() - t:.1f} s ({llm.engine.dtype}, quantization {llm.engine.quantization}), kernel plan: "
           f"{plan.source if plan else None}", flush=True)
     # new prompts for every repeat (the same for every system): a repeat of the same prompts would hit minisgl's prefix cache
     reps = [workload(args.requests, args.min_prompt, args.max_prompt, llm.engine.vocab_size, seed=r) for r in range(args.reps)]
@@ -174,6 +176,8 @@ def main():
     mini_onces = {"minisgl": run_minisgl(llm, warm, args.new_tokens)}
     if "minisgl_mixed" in variants: mini_onces["minisgl_mixed"] = run_minisgl(llm, warm, args.new_tokens, "mixed")
     if "minisgl_fp32" in variants: mini_onces["minisgl_fp32"] = run_minisgl(LLM(dtype="float32"), warm, args.new_tokens)
+    for q in ("gguf", "none"):
+        if f"minisgl_{q}" in variants: mini_onces[f"minisgl_{q}"] = run_minisgl(LLM(quantization=q), warm, args.new_tokens)
     probe = {d: hf_probe(model_dir, d, warm * 2) for d in args.hf_dtypes.split(",")}
     hf_dtype = min(probe, key=probe.get)
     print("HF probe (8 prompts, 8 new tokens): " + ", ".join(f"{d} {t:.1f} s" for d, t in probe.items()) +
@@ -211,7 +215,8 @@ def main():
     summary = dict(machine=info, workload=vars(args), tokens_per_s=tps, seconds=results, missing=missing,
                    ratio_vs_hf_best=tps["minisgl"] / hf_best,
                    ratio_vs_llama_cpp=tps["minisgl"] / tps["llama.cpp"] if "llama.cpp" in tps else None,
-                   dtype=str(llm.engine.dtype).removeprefix("torch."), hf_dtype=hf_dtype, hf_probe_s=probe,
+                   dtype=str(llm.engine.dtype).removeprefix("torch."), quantization=llm.engine.quantization,
+                   hf_dtype=hf_dtype, hf_probe_s=probe,
                    kernel_plan=plan.source if plan else None)
     runs = [summary]
     run_capped(__file__, args, info)
