@@ -4,6 +4,7 @@
 
 # %% ../nbs/08_engine.ipynb #aff68f54
 from __future__ import annotations
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -23,7 +24,7 @@ from .core import Batch, ChunkedReq, ForwardOutput, SamplingParams, check, check
 from .kernels import native
 from .kvcache import KVPool
 from .linear import (KERNELS, ROW_BUCKETS, KernelPlan, PackedLinear, can_pack_linears, cpu_signature, kernel_plan,
-                            linear_specs, pack_linears, plan_cache_dir, to_huge_pages)
+                            linear_specs, pack_linears, plan_cache_dir, save_json, to_huge_pages)
 from .messages import UserMsg
 from .models import CausalLM, ForwardContext, ModelConfig
 from .scheduler import MIN_PROMPT_CHUNK, ModelRunner, Scheduler, SchedulerConfig
@@ -518,7 +519,7 @@ def measure_quantization(config: EngineConfig, rows: tuple[int, ...] = CHOICE_RO
         try:
             if q == 'gguf' and not quant_specs(eng.model, 1): return QuantChoice({}, {}, 'no quantized linears in the file')
             times[q] = {m: decode_step_seconds(eng, m) for m in rows}
-        finally:
+        finally:   # dropped before the next engine is built: one model in memory at a time
             eng.close(); del eng
     return QuantChoice(times['gguf'], times['none'])
 
@@ -540,19 +541,29 @@ def _read_choice(path: Path) -> QuantChoice | None:
     return None
 
 
+@contextlib.contextmanager
+def _measuring_lock(path: Path):
+    "Hold `path`'s lock file: engines starting together on one machine measure one at a time (none where the cache is read-only)."
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(path.with_suffix('.lock'), 'w')
+    except OSError:
+        yield; return
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def quantization_choice(config: EngineConfig, dtype: torch.dtype, fresh: bool | None = None) -> QuantChoice:
     "`auto`'s choice for `config`'s .gguf on this machine: read from the plan cache, else (or `fresh`) measured and kept there."
     path = _choice_file(config, dtype)
     fresh = config.kernels == 'measure' if fresh is None else fresh
     if not fresh and (choice := _read_choice(path)): return choice
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix('.lock'), 'w') as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)   # engines starting together on one machine measure one at a time, and once
-        if not fresh and (choice := _read_choice(path)): return choice
+    with _measuring_lock(path):
+        if not fresh and (choice := _read_choice(path)): return choice   # measured by another engine while we waited
         logger.info('measuring once whether %s decodes faster natively or dequantized on this CPU (kept in %s)',
                     _gguf_file(config.model).name, path)
         choice = measure_quantization(config)
-        tmp = path.with_suffix(f'.tmp{os.getpid()}')   # kept even when empty (no quantized linears): no need to look again
-        tmp.write_text(json.dumps(dict(native=choice.native, dequantized=choice.dequantized), indent=1))
-        os.replace(tmp, path)                          # atomic: a reader never sees half a file
+        # kept even when empty (no quantized linears): the next start need not look again
+        save_json(path, dict(native=choice.native, dequantized=choice.dequantized), 'quantization choice')
     return choice

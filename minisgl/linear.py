@@ -34,8 +34,8 @@ __all__ = ['logger', 'GEMV_MAX_ROWS', 'KERNELS', 'LAYOUT', 'ROW_BUCKETS', 'GEMV_
            'linear_ref', 'gemv_available', 'linear', 'amx_available', 'onednn_bf16_available', 'kernel_runs',
            'pack_weight', 'run_linear', 'cpu_signature', 'measure_linear', 'LinearSpec', 'measure_step',
            'suspect_timings', 'choose_kernels', 'KernelPlan', 'measure_plan', 'forced_plan', 'plan_cache_dir',
-           'plan_cache_file', 'kernel_plan', 'PackedLinear', 'can_pack_linears', 'linear_specs', 'pack_linears',
-           'module_tensors', 'to_huge_pages']
+           'plan_cache_file', 'save_json', 'kernel_plan', 'PackedLinear', 'can_pack_linears', 'linear_specs',
+           'pack_linears', 'module_tensors', 'to_huge_pages']
 
 # %% ../nbs/04c_linear.ipynb #b05d00f6
 def linear_ref(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -424,17 +424,21 @@ def _read_plan(path: Path, specs, max_layouts) -> KernelPlan | None:
         return None
 
 
-def _write_plan(path: Path, plan: KernelPlan, specs) -> None:
-    d = dict(key=_plan_key(specs), seconds=plan.seconds,
-             times={_shape_key(s): {kern: {str(m): v for m, v in t.items()} for kern, t in ts.items()}
-                    for s, ts in plan.times.items()})
+def save_json(path: Path, d: dict, what: str) -> None:
+    "Write `d` to `path` atomically (a reader never sees half a file); a cache that cannot be written is logged, not fatal."
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f'.tmp{os.getpid()}')
         tmp.write_text(json.dumps(d, indent=1))
-        os.replace(tmp, path)   # atomic: a reader never sees half a file
+        os.replace(tmp, path)
     except OSError as e:
-        logger.warning('could not save the kernel plan to %s: %s', path, e)
+        logger.warning('could not save the %s to %s: %s', what, path, e)
+
+
+def _write_plan(path: Path, plan: KernelPlan, specs) -> None:
+    save_json(path, dict(key=_plan_key(specs), seconds=plan.seconds,
+                         times={_shape_key(s): {kern: {str(m): v for m, v in t.items()} for kern, t in ts.items()}
+                                for s, ts in plan.times.items()}), 'kernel plan')
 
 # %% ../nbs/04c_linear.ipynb #53215115
 def kernel_plan(specs: dict[tuple[int, int], LinearSpec], kernels: str = 'auto', max_layouts: int = 2) -> KernelPlan:
