@@ -29,7 +29,7 @@ from .messages import UserMsg
 from .models import CausalLM, ForwardContext, ModelConfig
 from .scheduler import MIN_PROMPT_CHUNK, ModelRunner, Scheduler, SchedulerConfig
 from .sampling import SamplingBatch, greedy_tokens, sample
-from .quant import quant_plan, quant_specs
+from .quant import QUANT_KERNELS, quant_kernel_runs, quant_plan, quant_specs
 from .weights import (eos_token_ids, load_gguf_model, load_hf_config, load_model, quantize_linears_int8, load_tokenizer, model_problem, resolve_model,
                              sampling_defaults)
 
@@ -63,8 +63,10 @@ class EngineConfig:
                                                 "kernel plan; logged)", flags=('--max-running-requests', '--max-running-reqs'), metavar='N')
     attention_backend: str | None = option(None, "attention kernels (default: cpu on a CPU, cuda on a GPU)", choices=('cpu', 'cuda', 'triton', 'torch'))
     num_threads: int | None = option(None, "CPU threads for torch (default: torch's, one per physical core)", metavar='N')
-    kernels: str = option('auto', "CPU bf16 matmul kernels: auto measures a plan once per machine and keeps it (see `minisgl tune`), "
-                                  "measure measures anew, a kernel name forces it", choices=('auto', 'measure', *KERNELS))
+    kernels: str = option('auto', "CPU matmul kernels: auto measures a plan once per machine and keeps it (see `minisgl tune`), "
+                                  "measure measures anew, a kernel name forces it (q8dot, qamx, dequant: the quantized "
+                                  "linears', chapter quant; q8dot serves a request the same bits beside any others)",
+                          choices=('auto', 'measure', *KERNELS, *QUANT_KERNELS))
     quantization: str = option('auto', "weights as stored or quantized: gguf runs a .gguf model's quantized tensors as they are "
                                        "(chapter quant; formats without a kernel are dequantized, each logged), int8 quantizes every "
                                        "linear per channel at load time, none dequantizes a .gguf to --dtype; auto: for a .gguf on a CPU, "
@@ -95,13 +97,15 @@ class EngineConfig:
         check(self.kv_memory_gb is None or (isinstance(self.kv_memory_gb, (int, float)) and self.kv_memory_gb > 0),
               'kv_memory_gb', f'must be > 0 or None, got {self.kv_memory_gb!r}')
         check(isinstance(self.mem_fraction, (int, float)) and 0 < self.mem_fraction <= 1, 'mem_fraction', f'must be in (0, 1], got {self.mem_fraction!r}')
-        check_choice('kernels', self.kernels, ('auto', 'measure', *KERNELS))
+        check_choice('kernels', self.kernels, ('auto', 'measure', *KERNELS, *QUANT_KERNELS))
         check_choice('kernel_layouts', self.kernel_layouts, (1, 2, 3))
         check_choice('quantization', self.quantization, QUANTIZATIONS)
         check(self.quantization in ('auto', 'none') or self.tp_size == 1, 'quantization',
               f'{self.quantization} runs on one rank only (--tp 1), got --tp {self.tp_size}')
         check(self.quantization in ('auto', 'none') or str(self.device) in ('auto', 'cpu'), 'quantization',
               f'{self.quantization} runs on the CPU only, got --device {self.device}')
+        check(self.kernels not in QUANT_KERNELS or (self.tp_size == 1 and str(self.device) in ('auto', 'cpu')), 'kernels',
+              f'{self.kernels} runs quantized weights on one CPU rank only, got --tp {self.tp_size} --device {self.device}')
         check(not isinstance(self.kernel_layouts, bool), 'kernel_layouts', 'must be 1, 2 or 3')
         check_choice('attention_backend', self.attention_backend, (None, 'cpu', 'cuda', 'triton', 'torch'))
         sampling_defaults(None, self.sampling_defaults)      # its shape now; the model's values when it loads
@@ -212,9 +216,13 @@ def _gguf_file(model: str | None) -> Path | None:
 
 def _resolve_quantization(config: EngineConfig, device: torch.device) -> str:
     "What `config.quantization` means here; 'auto' stays auto (to be measured) only for a .gguf on one CPU whose dense kernels are not forced."
-    q, gguf = config.quantization, _gguf_file(config.model)
+    q, gguf, k = config.quantization, _gguf_file(config.model), config.kernels
+    if k in QUANT_KERNELS:   # a forced quantized kernel: the weights must be quantized, natively
+        q = 'gguf' if q == 'auto' and gguf is not None else q
+        check(q in ('gguf', 'int8'), 'kernels', f'{k} runs quantized weights: serve a quantized .gguf (quantization gguf or auto) '
+                                                f'or quantize with int8, got quantization={config.quantization!r}, model={config.model!r}')
     if q == 'auto':
-        measured = gguf is not None and device.type == 'cpu' and config.tp_size == 1 and config.kernels not in KERNELS
+        measured = gguf is not None and device.type == 'cpu' and config.tp_size == 1 and k not in KERNELS
         return 'auto' if measured else 'none'
     check(q != 'gguf' or gguf is not None, 'quantization', f'gguf needs a .gguf model, got {config.model!r} (int8 quantizes any model)')
     check(q == 'none' or device.type == 'cpu', 'quantization', f'{q} runs on the CPU only, got {device}')
@@ -263,7 +271,9 @@ def _plan_kernels(self: Engine) -> KernelPlan | None:
     if can_pack_linears(self.device, self.dtype) and (specs := linear_specs(self.model, rows)):
         plans.append(self._plan_dense_kernels(specs)); self.linear_specs.update(specs)
     if self.device.type == 'cpu' and (specs := quant_specs(self.model, rows)):
-        qplan = quant_plan(self.model, specs, self.dtype, c.kernels if c.kernels in ('auto', 'measure') else 'auto')
+        check(c.kernels not in QUANT_KERNELS or quant_kernel_runs(c.kernels, self.dtype), 'kernels',
+              f'{c.kernels} does not run here ({self.dtype}; qamx needs AMX and bfloat16)')
+        qplan = quant_plan(self.model, specs, self.dtype, c.kernels if c.kernels in ('auto', 'measure', *QUANT_KERNELS) else 'auto')
         logger.info('quantized kernel plan (%s):\n%s', qplan.source, qplan.table())
         plans.append(qplan); self.linear_specs.update(specs)
     if not plans: return None
@@ -274,7 +284,7 @@ def _plan_kernels(self: Engine) -> KernelPlan | None:
 def _plan_dense_kernels(self: Engine, specs: dict) -> KernelPlan:
     "The bf16 plan (chapter linear) of `specs`, applied to the model's `nn.Linear`s and logged with its memory cost."
     c = self.config
-    plan = kernel_plan(specs, c.kernels, c.kernel_layouts)
+    plan = kernel_plan(specs, 'auto' if c.kernels in QUANT_KERNELS else c.kernels, c.kernel_layouts)
     pack_linears(self.model, plan)
     extra, embed = 0, self.model.embed_tokens.weight.data_ptr()   # bytes of weight copies beyond one per linear
     for m in self.model.modules():

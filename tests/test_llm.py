@@ -10,7 +10,7 @@ from minisgl.core import SamplingParams
 from minisgl.llm import LLM
 from server_utils import ServerProc
 
-ARGS = dict(dtype="float32", device="cpu", num_pages=256, max_seq_len=1024, quantization="none")   # the server's tokens are compared: dense (see test_server_openai)
+ARGS = dict(dtype="float32", device="cpu", num_pages=256, max_seq_len=1024, kernels="q8dot")   # the server's tokens are compared: q8dot (see test_server_openai)
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
 CHAT = [{"role": "user", "content": "What is 2+2?"}]
 
@@ -20,7 +20,7 @@ def server_and_llm():
     "Start the server (a subprocess) while the LLM loads here: the two loads overlap."
     box = {}
     def start():
-        try: box["server"] = ServerProc("--dtype", "float32", "--device", "cpu", "--num-pages", "256", "--max-seq-len", "1024", "--quantization", "none")
+        try: box["server"] = ServerProc("--dtype", "float32", "--device", "cpu", "--num-pages", "256", "--max-seq-len", "1024", "--kernels", "q8dot")
         except Exception as e: box["error"] = e
     th = threading.Thread(target=start); th.start()
     llm = LLM(**ARGS)

@@ -1,7 +1,8 @@
 """Mixed batches on the real default model: running requests' decode tokens and prompt chunks in one forward.
 In fp32 every request's greedy tokens equal its solo run, the KV pool is whole afterwards, and a mixed round
 really mixed (decode rows beside prompt chunks); in bf16 (the engine's fused paths and kernel plan) the two
-policies agree up to near ties."""
+policies agree up to near ties. Natively (quantized weights on `q8dot`), every request's tokens and log-probabilities
+are the same bits as its solo run, in fp32 and bf16, whatever shares its steps."""
 import pytest
 import torch
 
@@ -77,3 +78,21 @@ def test_bf16_policies_agree(engines):
         near_a, near_b = dict(map(tuple, a[diff][1])), dict(map(tuple, b[diff][1]))
         assert b[diff][0] in near_a and near_a[a[diff][0]] - near_a[b[diff][0]] < 0.3, (i, diff, a[diff], b[diff])
         assert a[diff][0] in near_b and near_b[b[diff][0]] - near_b[a[diff][0]] < 0.3, (i, diff, a[diff], b[diff])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_native_request_is_the_same_bits_beside_any_others(dtype):
+    # Quantized activations turn any rounding difference into a step of an int8 (0.05 in a log-probability), so
+    # natively a request is served the same bits whatever its neighbours: q8dot computes each row alone, and the
+    # attention kernels cut a request's keys the same way in any batch and take a single new query through the
+    # decode body in a mixed step too. Prompts past 256 tokens: decode attention's key chunks are merged.
+    eng = Engine(EngineConfig(dtype=dtype, device="cpu", max_running_reqs=4, max_seq_len=1024, kernels="q8dot"), progress=False)
+    assert eng.quantization == "gguf"
+    ids = eng.tokenizer(TEXT * 4)["input_ids"]
+    prompts = [ids[7 * i: 7 * i + n] for i, n in enumerate((300, 9, 520, 257))]
+    alone = [run(eng, "prefill_first", [p], stagger=False, top=True, max_tokens=8)[0][0] for p in prompts]
+    for policy in ("mixed", "prefill_first"):
+        got, kinds = run(eng, policy, prompts, top=True, max_tokens=8)
+        assert policy != "mixed" or any(k == {True, False} for k in kinds), "no round mixed decode rows with prompt chunks"
+        for i in range(len(prompts)):
+            assert got[i] == alone[i], (policy, i, got[i], alone[i])

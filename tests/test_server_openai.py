@@ -33,7 +33,7 @@ CONTEXT = 1024
 def server():
     s = ServerProc("--dtype", "float32", "--device", "cpu", "--num-pages", "512", "--max-seq-len", str(CONTEXT),
                    "--max-running-requests", str(MAX_RUNNING), "--max-queued-requests", str(MAX_QUEUED),
-                   "--quantization", "none")   # dense weights: a request's greedy tokens do not hang on its neighbours' (natively, activations rounded to int8 per batch can tip near ties: README)
+                   "--kernels", "q8dot")   # natively on q8dot: a request is served the same bits beside any others (chapter engine)
     yield s
     s.stop()
     if s.proc.returncode not in (0, None): print(s.output())

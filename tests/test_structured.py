@@ -27,7 +27,7 @@ ASK = [{"role": "user", "content": "Describe a person as JSON with a name and an
 @pytest.fixture(scope="module")
 def server():
     s = ServerProc("--dtype", "float32", "--device", "cpu", "--num-pages", "512", "--max-seq-len", "1024", "--overlap",
-                   "--quantization", "none")   # dense weights: a request's greedy tokens do not hang on its neighbours' (natively, activations rounded to int8 per batch can tip near ties: README)
+                   "--kernels", "q8dot")   # natively on q8dot: a request is served the same bits beside any others (chapter engine)
     yield s
     assert s.stop() == 0
 

@@ -6,8 +6,8 @@
 //
 // Work split. GQA groups the G = Hq / Hkv query heads that share a KV head, and a task always owns a whole
 // group, so each K/V row is loaded (and converted to fp32) once for G heads.
-//   decode : task = (request, kv head, key chunk); long requests in small batches are split into key
-//            chunks whose partial softmax states (max, sum, weighted V) are merged afterwards. A request's
+//   decode : task = (request, kv head, key chunk of kSplitKeys or more); a long request's chunks leave partial
+//            softmax states (max, sum, weighted V) that are merged afterwards. A request's
 //            heads are taken by one thread in turn (`task_group`): they read the same slots. Per tile of
 //            kDecodeTile keys: W scores at a time from `dots` (one transposing reduction tree instead of W
 //            horizontal sums), then acc += P V over row pointers (`gemm_rows`); the next tile's rows are
@@ -55,6 +55,7 @@ namespace {
 
 constexpr int kTileK = 64;     // keys per tile
 constexpr int kDecodeTile = 32;  // keys per decode tile
+constexpr int64_t kSplitKeys = 256;  // keys per decode task, at least: a request's softmax states over its chunks are merged
 constexpr int64_t kMaxScratchD = 1024;
 
 struct Args {
@@ -526,18 +527,21 @@ DecodeAttentionPlan::DecodeAttentionPlan(const at::Tensor& q, const at::Tensor& 
   p.dtype = q.scalar_type();
   p.fn = pick_decode(p.dtype, p.a.D, p.a.G);
   for (int64_t b = 0; b < p.B; ++b) TORCH_CHECK(lens[b] >= 1, "seq_lens[", b, "] must be >= 1 for decode");
-  // Split long requests into key chunks when there are too few (request, head) pairs to feed every thread.
+  // Every request's keys are cut into span / kSplitKeys chunks of equal length (at least one), whatever the batch:
+  // the chunks, and so the order of every sum, depend on the request alone, and its output is the same bits in a
+  // step of one request and of sixty-four. (Cutting only when the batch had too few pairs to feed the threads
+  // made a request's output move with its neighbours; quantized weights turn such a rounding into a step of an
+  // int8 activation, 0.05 in a log-probability.) A long request alone still feeds every thread.
   const Args& a = p.a;
   const int64_t pairs = p.B * a.Hkv;
-  const int64_t want_splits = pairs >= 4 * threads ? 1 : (4 * threads + pairs - 1) / pairs;
   p.first_part.assign(pairs + 1, 0);
   int64_t nparts = 0;
   for (int64_t b = 0; b < p.B; ++b) {
     const int64_t L = lens[b];
     const int64_t k0 = sliding_window > 0 ? std::max<int64_t>(0, L - sliding_window) : 0;
     const int64_t span = L - k0;
-    const int64_t splits = std::max<int64_t>(1, std::min<int64_t>(want_splits, span / 256));
-    const int64_t chunk = (span + splits - 1) / splits, chunks = (span + chunk - 1) / chunk;
+    const int64_t even = std::max<int64_t>(1, span / kSplitKeys), chunk = (span + even - 1) / even;
+    const int64_t chunks = (span + chunk - 1) / chunk;
     for (int64_t h = 0; h < a.Hkv; ++h) p.first_part[b * a.Hkv + h] = nparts + h * chunks;
     // the KV heads of one key chunk next to each other: a slot holds every head's row, so they read the same pages
     for (int64_t i = 0; i < chunks; ++i)
@@ -547,7 +551,7 @@ DecodeAttentionPlan::DecodeAttentionPlan(const at::Tensor& q, const at::Tensor& 
   }
   // With enough tasks, a thread takes a request's heads together and finds their pages in its cache (a 48 x 260
   // step's attention: 19.7 -> 16.5 ms on AMX, 24.0 -> 19.6 capped, benchmarks/bench_kernels.py --step-only).
-  p.group = want_splits == 1 ? a.Hkv : 1;
+  p.group = nparts >= 4 * threads * a.Hkv ? a.Hkv : 1;
   p.first_part[pairs] = nparts;
   std::stable_sort(p.tasks.begin(), p.tasks.end(),
                    [](const DecodeTask& x, const DecodeTask& y) { return x.k1 - x.k0 > y.k1 - y.k0; });
@@ -633,14 +637,29 @@ at::Tensor extend_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cach
   }
   TORCH_CHECK(total == N, "sum(extend_lens) = ", total, " but q has ", N, " rows");
   if (N == 0) return out;
+  // A request with one new query (a decode row of a mixed step; a prompt's last token after a prefix hit) takes
+  // the decode body, exactly as in a decode step: its output does not depend on whether its step was mixed.
+  std::vector<int64_t> one_b, one_q;
+  for (int64_t b = 0, q0 = 0; b < B; q0 += exts[b++])
+    if (exts[b] == 1) one_b.push_back(b), one_q.push_back(q0);
+  if (!one_b.empty()) {
+    const auto b_idx = at::tensor(one_b, at::kLong), q_idx = at::tensor(one_q, at::kLong);
+    out.index_copy_(0, q_idx, decode_attention_cpu(q.index_select(0, q_idx), k_cache, v_cache, page_table,
+                                                   table_idx.index_select(0, b_idx), seq_lens.index_select(0, b_idx),
+                                                   scale, sliding_window));
+    if (static_cast<int64_t>(one_b.size()) == N) return out;
+  }
   Args a = make_args(q, k_cache, v_cache, page_table, scale, sliding_window, out);
   const int64_t G = a.G;
   const int64_t block = std::max<int64_t>(1, 64 / G);  // queries per task: ~64 (query, head) rows
   std::vector<ExtendTask> tasks;
-  std::vector<int64_t> cost;
   int64_t q_begin = 0;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t L = lens[b], ext = exts[b];
+    if (ext == 1) {   // done above
+      q_begin += ext;
+      continue;
+    }
     for (int64_t i0 = 0; i0 < ext; i0 += block)
       for (int64_t h = 0; h < a.Hkv; ++h) tasks.push_back({q_begin, rows[b], L, ext, h, i0, std::min(ext, i0 + block)});
     q_begin += ext;
