@@ -14,6 +14,8 @@ dequantized to bf16 (`none`) and as int8 weights (`int8`), against llama.cpp's `
 
     .venv/bin/python benchmarks/bench_quant.py --llama-bench /path/to/llama-bench --out benchmarks/results/quant.json
 
+`--model FILE.gguf` measures another file than the embedded Q4_1 one (a Q4_K_M file, say), llama.cpp on it too.
+
 Every figure names the CPU it ran on (lscpu's model name and flags) and the caps in force (MINISGL_CPU_ISA,
 ONEDNN_MAX_CPU_ISA).
 """
@@ -107,6 +109,7 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--model", default=None, metavar="FILE.gguf", help="a .gguf file (default: the embedded Q4_1 one)")
     ap.add_argument("--llama-bench", default=None, metavar="PATH")
     ap.add_argument("--out", default=None)
     ap.add_argument("--choice", type=int, default=0, metavar="N", help="only time auto's measurement N times (no generation)")
@@ -121,7 +124,7 @@ def main():
         from minisgl.engine import EngineConfig, measure_quantization
         runs = []
         for i in range(args.choice):
-            c = measure_quantization(EngineConfig())
+            c = measure_quantization(EngineConfig(model=args.model))
             runs.append({"native": c.native, "dequantized": c.dequantized, "ratio": c.ratio, "choice": c.quantization})
             print(f"  run {i + 1}: {c}", flush=True)
         med = {k: {m: statistics.median(r[k][m] for r in runs) for m in runs[0][k]} for k in ("native", "dequantized")}
@@ -133,14 +136,14 @@ def main():
             with open(args.out, "w") as f: json.dump({"info": info, "dtype": dtype, "choice_runs": runs, "medians": med}, f, indent=1)
         return
     if args.linears:
-        llm = LLM(quantization="gguf", max_running_reqs=max(batches))
+        llm = LLM(model=args.model, quantization="gguf", max_running_reqs=max(batches))
         linear_times(llm, batches)
         llm.close()
         return
     results, bounds = {}, {}
     for mode in args.modes.split(","):
         print(f"minisgl --quantization {mode}", flush=True)
-        llm = LLM(quantization=mode, max_running_reqs=max(batches))
+        llm = LLM(model=args.model, quantization=mode, max_running_reqs=max(batches))
         nbytes = step_bytes(llm.engine.model)
         bounds[mode] = {"step_bytes": nbytes, "bound_tok_s": read_bandwidth(nbytes) / nbytes}
         print(f"  reads {nbytes / 1e6:.0f} MB a step: at most {bounds[mode]['bound_tok_s']:.0f} tok/s for one request", flush=True)
@@ -148,7 +151,7 @@ def main():
         llm.close()
         del llm
     if args.llama_bench:
-        results["llama.cpp"] = {1: llama_tg(args.llama_bench, str(default_gguf_path()), info["threads"], args.new_tokens, args.reps)}
+        results["llama.cpp"] = {1: llama_tg(args.llama_bench, args.model or str(default_gguf_path()), info["threads"], args.new_tokens, args.reps)}
         print(f"llama.cpp (llama-bench, same file): batch 1: {results['llama.cpp'][1]:.1f} tok/s", flush=True)
     print("\n| mode | " + " | ".join(f"batch {b}" for b in batches) + " | weight-read bound (1 request) |")
     print("|---|" + "---:|" * (len(batches) + 1))
@@ -158,7 +161,8 @@ def main():
         print(f"| {mode} | " + " | ".join(cells) + f" | {bound} |")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"machine": info, "run": vars(args), "decode_tok_s": results, "bounds": bounds}, f, indent=1)
+            json.dump({"machine": info, "run": vars(args), "file": os.path.basename(args.model or str(default_gguf_path())),
+                       "decode_tok_s": results, "bounds": bounds}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ def check(ext, w, qtype, x, bias, k):
     assert ((y - ref).abs() <= slack).all(), (qtype, tuple(x.shape), (y - ref).abs().max().item())
 
 
-@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_every_format(emulated, name):
     fmt = QUANT_FORMATS[name]
     for n, rows in ((48, 1), (32, 17), (16, 64), (16, 70)):   # a tail of 16 rows of x; past 64 rows (two chunks)

@@ -120,6 +120,51 @@ def test_overlap_loop_gives_the_same_tokens(native):
     assert outs[0] == outs[1]
 
 
+def requantized_file(path, formats):
+    "The embedded GGUF with the linears named in `formats` (e.g. 'ffn_up') requantized by gguf-py to their format, the rest as stored."
+    import gguf
+    from minisgl.weights import default_gguf_path
+    reader = gguf.GGUFReader(default_gguf_path())
+    writer = gguf.GGUFWriter(path, reader.fields["general.architecture"].contents())
+    for field in reader.fields.values():   # the metadata as it is (gguf-py's gguf_new_metadata does the same)
+        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."): continue
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub)
+    data = []
+    for t in reader.tensors:
+        qtype, d = t.tensor_type, t.data
+        if (fmt := formats.get(t.name.split(".")[-2])) is not None:
+            qtype, d = fmt, gguf.quants.quantize(gguf.quants.dequantize(t.data, t.tensor_type), fmt)
+        writer.add_tensor_info(t.name, d.shape, d.dtype, d.nbytes, raw_dtype=qtype)
+        data.append(d)
+    writer.write_header_to_file(); writer.write_kv_data_to_file(); writer.write_ti_data_to_file()
+    for d in data: writer.write_tensor_data(d)
+    writer.close()
+
+
+def test_q5_file_decodes_like_its_dequantized_model(tmp_path):
+    # Q5_0 is what llama.cpp's K-quant files hold where rows are not a multiple of 256 (this model's 576: a Q4_K_M of
+    # it has 166 Q5_0 linears), Q5_1 its sibling: a file of both, served natively against the same file dequantized
+    from gguf import GGMLQuantizationType as Q
+    path = tmp_path / "smollm2-q5.gguf"
+    requantized_file(path, {"attn_q": Q.Q5_0, "attn_k": Q.Q5_0, "attn_output": Q.Q5_0, "ffn_gate": Q.Q5_0,
+                            "ffn_up": Q.Q5_0, "attn_v": Q.Q5_1, "ffn_down": Q.Q5_1})
+    kw = dict(model=str(path), dtype="float32", device="cpu", page_size=4, num_pages=600, max_seq_len=512)
+    native = Engine(EngineConfig(**kw, kernels="q8dot"), progress=False)
+    dequantized = Engine(EngineConfig(**kw, quantization="none"), progress=False)
+    lins = [m for m in native.model.modules() if isinstance(m, QuantLinear)]
+    assert len(lins) == 4 * 30 + 1 and {f.name for m in lins for f in m.formats} == {"Q5_0", "Q5_1", "Q8_0"}
+    prompts = make_prompts(native.tokenizer)[:6]
+    worst = max((last_logits(native, p) - last_logits(dequantized, p)).abs().max().item() for p in prompts)
+    print(f"Q5_0/Q5_1 file: largest logit difference, native vs dequantized, {worst:.3f} (bound {LOGIT_BOUND})")
+    assert worst <= LOGIT_BOUND
+    cfg = SchedulerConfig(max_running_reqs=8, prefill_budget=48, cache="radix")
+    _, ours = run_engine(native, prompts, cfg, max_tokens=NEW_TOKENS)
+    _, ref = run_engine(dequantized, prompts, cfg, max_tokens=NEW_TOKENS)
+    for i, p in enumerate(prompts):
+        check_same_or_tie(ours[i], ref[i], dequantized, p, f"Q5 prompt {i}")
+
+
 def test_int8_weights_decode_like_the_dequantized_model(dequantized):
     int8 = make("int8")
     assert all(isinstance(m, QuantLinear) for m in (int8.model.layers[0].mlp.down_proj, int8.model.lm_head))

@@ -1,4 +1,4 @@
-// quant.cpp -- linears over quantized weights: GGUF's Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K and minisgl's per-channel
+// quant.cpp -- linears over quantized weights: GGUF's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K and minisgl's per-channel
 // int8 (I8), read as they are stored, 4 to 8 bits a weight.
 //
 // Every format is a row of blocks of 32 weights w = s * u + b, with u an unsigned integer (0..15, 0..31, 0..63 or
@@ -17,6 +17,9 @@
 // scale array below is [16], one per row; a chunk is 64 bytes, [16 rows][4 bytes]):
 //   Q4_0: per block: d fp16          | 4 chunks: low nibbles quads 0-3, high nibbles quads 4-7 (GGUF's qs bytes)
 //   Q4_1: per block: d fp16 | m fp16 | the same 4 chunks
+//   Q5_0, Q5_1: per block: as Q4_0, Q4_1, with one chunk of fifth bits before the nibbles: a lane's byte e has in
+//         bit c the fifth bit of its row's weight 4c + e (repack moves GGUF's qh bits there), so quad c takes bit c
+//         (the fallback of K-quant files whose rows are not a multiple of 256, such as this project's 135M model)
 //   Q8_0: per block: d fp16          | 8 chunks, quads 0-7
 //   I8  : scale fp32 (once)          | per block: 8 chunks
 //   Q4_K: per 256: d fp16 | dmin fp16 | sc u8 [8][16] | mn u8 [8][16] | 4 pairs of blocks x 8 chunks: low nibbles
@@ -60,7 +63,7 @@ namespace cpu {
 namespace {
 
 // GGML's type ids, and ours for I8.
-enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, I8 = 100 };
+enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, I8 = 100 };
 
 bool is_k_quant(int64_t t) { return t == Q4_K || t == Q5_K || t == Q6_K; }
 
@@ -73,6 +76,8 @@ int64_t row_bytes(int64_t t, int64_t K) {
   switch (t) {
     case Q4_0: return nb * 18;
     case Q4_1: return nb * 20;
+    case Q5_0: return nb * 22;
+    case Q5_1: return nb * 24;
     case Q8_0: return nb * 34;
     case Q4_K: return ns * 148;
     case Q5_K: return ns * 180;
@@ -83,7 +88,7 @@ int64_t row_bytes(int64_t t, int64_t K) {
 }
 
 // Bytes of one group of 16 rows per block of 32 (the non-K formats) or per 256 (the K-quants, and I8's quants).
-constexpr int64_t kRec40 = 16 * 18, kRec41 = 16 * 20, kRec80 = 16 * 34;
+constexpr int64_t kRec40 = 16 * 18, kRec41 = 16 * 20, kRec50 = 16 * 22, kRec51 = 16 * 24, kRec80 = 16 * 34;
 constexpr int64_t kRec4K = 16 * 148, kRec5K = 16 * 180, kRec6K = 16 * 210;
 
 inline float h2f(const uint8_t* p) {
@@ -112,6 +117,13 @@ void dequant_row_of(const uint8_t* g, int r, int64_t K, float* y) {
           const int u = c < 4 ? q & 15 : q >> 4;
           const float d = h2f(rec + 2 * r);
           *out = T == Q4_0 ? d * static_cast<float>(u - 8) : d * static_cast<float>(u) + h2f(rec + 32 + 2 * r);
+        } else if constexpr (T == Q5_0 || T == Q5_1) {
+          const uint8_t* rec = g + j * (T == Q5_0 ? kRec50 : kRec51);
+          const uint8_t* qh = rec + (T == Q5_0 ? 32 : 64);
+          const uint8_t q = qh[64 + 64 * (c % 4) + lane];
+          const int u = (c < 4 ? q & 15 : q >> 4) | (qh[lane] >> c & 1) << 4;
+          const float d = h2f(rec + 2 * r);
+          *out = T == Q5_0 ? d * static_cast<float>(u - 16) : d * static_cast<float>(u) + h2f(rec + 32 + 2 * r);
         } else if constexpr (T == Q8_0) {
           const uint8_t* rec = g + j * kRec80;
           *out = h2f(rec + 2 * r) * static_cast<float>(static_cast<int8_t>(rec[32 + 64 * c + lane]));
@@ -146,6 +158,8 @@ void dequant_row(int64_t t, const uint8_t* g, int r, int64_t K, float* y) {
   switch (t) {
     case Q4_0: return dequant_row_of<Q4_0>(g, r, K, y);
     case Q4_1: return dequant_row_of<Q4_1>(g, r, K, y);
+    case Q5_0: return dequant_row_of<Q5_0>(g, r, K, y);
+    case Q5_1: return dequant_row_of<Q5_1>(g, r, K, y);
     case Q8_0: return dequant_row_of<Q8_0>(g, r, K, y);
     case Q4_K: return dequant_row_of<Q4_K>(g, r, K, y);
     case Q5_K: return dequant_row_of<Q5_K>(g, r, K, y);
@@ -262,6 +276,23 @@ MINISGL_TQ inline void block_of(const uint8_t* g, int64_t j, __m512i q[8], __m51
     }
     s0 = f16x16(rec);
     b0 = T == Q4_0 ? _mm512_mul_ps(s0, _mm512_set1_ps(-8.f)) : f16x16(rec + 32);
+  } else if constexpr (T == Q5_0 || T == Q5_1) {
+    const uint8_t* rec = g + j * (T == Q5_0 ? kRec50 : kRec51);
+    const uint8_t* qh = rec + (T == Q5_0 ? 32 : 64);
+    const __m512i h = load64(qh);
+    for (int i = 0; i < 4; ++i) {
+      const __m512i v = load64(qh + 64 + 64 * i);
+      q[i] = low4(v);
+      q[i + 4] = high4(v);
+    }
+    // bit c of each byte, moved to bit 4 and or-ed in: a shift and one ternary-logic op (q | t & 0x10) per quad
+    const __m512i bit4 = _mm512_set1_epi8(0x10);
+    for (int c = 0; c < 8; ++c) {
+      const __m512i t = c < 4 ? _mm512_slli_epi16(h, 4 - c) : c > 4 ? _mm512_srli_epi16(h, c - 4) : h;
+      q[c] = _mm512_ternarylogic_epi32(q[c], t, bit4, 0xF8);   // a | b & c
+    }
+    s0 = f16x16(rec);
+    b0 = T == Q5_0 ? _mm512_mul_ps(s0, _mm512_set1_ps(-16.f)) : f16x16(rec + 32);
   } else if constexpr (T == Q8_0 || T == I8) {
     const uint8_t* qs = T == Q8_0 ? g + j * kRec80 + 32 : g + 64 + j * 512;
     for (int c = 0; c < 8; ++c) q[c] = _mm512_xor_si512(load64(qs + 64 * c), _mm512_set1_epi8(static_cast<char>(0x80)));
@@ -372,6 +403,8 @@ GroupFn vnni_group(int64_t t, int mc) {
   switch (t) {
     case Q4_0: return groups_for_count<Q4_0>(mc);
     case Q4_1: return groups_for_count<Q4_1>(mc);
+    case Q5_0: return groups_for_count<Q5_0>(mc);
+    case Q5_1: return groups_for_count<Q5_1>(mc);
     case Q8_0: return groups_for_count<Q8_0>(mc);
     case Q4_K: return groups_for_count<Q4_K>(mc);
     case Q5_K: return groups_for_count<Q5_K>(mc);
@@ -401,7 +434,7 @@ void check_weight(const at::Tensor& w, int64_t t, int64_t K, const char* fn) {
               w.sizes());
   const int64_t rb = row_bytes(t, K);
   TORCH_CHECK(rb > 0, fn, ": type ", t, " cannot hold rows of K=", K,
-              " (K-quants need K % 256 == 0, the others K % 64 == 0; types: 2 3 8 12 13 14 100)");
+              " (K-quants need K % 256 == 0, the others K % 64 == 0; types: 2 3 6 7 8 12 13 14 100)");
   TORCH_CHECK(w.size(1) == rb, fn, ": rows of type ", t, " with K=", K, " are ", rb, " bytes, got ", w.size(1));
   TORCH_CHECK(w.size(0) % 16 == 0, fn, ": a quantized weight holds its rows in groups of 16 (repack), got ", w.size(0),
               " rows");
@@ -494,6 +527,8 @@ AmxRowsFn amx_rows(int64_t t) {
   switch (t) {
     case Q4_0: return rows_amx<Q4_0>;
     case Q4_1: return rows_amx<Q4_1>;
+    case Q5_0: return rows_amx<Q5_0>;
+    case Q5_1: return rows_amx<Q5_1>;
     case Q8_0: return rows_amx<Q8_0>;
     case Q4_K: return rows_amx<Q4_K>;
     case Q5_K: return rows_amx<Q5_K>;
