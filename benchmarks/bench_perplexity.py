@@ -9,6 +9,8 @@ tokenizer of SmolLM2 adds none); each chunk is scored on its second half given i
 and the perplexity is exp(mean negative log-likelihood) over every scored token.
 
     .venv/bin/python benchmarks/bench_perplexity.py --llama-perplexity /path/to/llama-perplexity
+
+`--model FILE.gguf` scores another file (a Q4_K_M one, say) the same way; `--text FILE` another text.
 """
 import argparse
 import math
@@ -42,14 +44,17 @@ def main():
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--modes", default="gguf,none,int8")
     ap.add_argument("--llama-perplexity", default=None, metavar="PATH")
+    ap.add_argument("--model", default=None, metavar="FILE.gguf", help="a .gguf file (default: the embedded Q4_1 one)")
+    ap.add_argument("--text", default=None, metavar="FILE", help="the text to score (default: this repository's README.md)")
     args = ap.parse_args()
     from minisgl.engine import Engine, EngineConfig
     from minisgl.weights import default_gguf_path
-    text_file = ROOT / "README.md"
+    text_file = Path(args.text) if args.text else ROOT / "README.md"
+    gguf = args.model or str(default_gguf_path())
     text = text_file.read_text()
     pages = -(-args.ctx // 16) + 1
     for mode in args.modes.split(","):
-        e = Engine(EngineConfig(quantization=mode, dtype="float32", num_pages=pages, max_seq_len=args.ctx), progress=False)
+        e = Engine(EngineConfig(model=gguf, quantization=mode, dtype="float32", num_pages=pages, max_seq_len=args.ctx), progress=False)
         from minisgl.quant import QuantLinear
         for lin in e.model.modules():
             if isinstance(lin, QuantLinear): lin.set_plan([(1 << 20, "q8dot")])
@@ -60,7 +65,7 @@ def main():
             s, k = chunk_nll(e, c); nll += s; cnt += k
         print(f"minisgl --quantization {mode}: perplexity {math.exp(nll / cnt):.4f} ({len(chunks)} chunks of {args.ctx}, {cnt} tokens scored)", flush=True)
     if args.llama_perplexity:
-        r = subprocess.run([args.llama_perplexity, "-m", str(default_gguf_path()), "-f", str(text_file), "-c", str(args.ctx),
+        r = subprocess.run([args.llama_perplexity, "-m", gguf, "-f", str(text_file), "-c", str(args.ctx),
                             "-t", str(torch.get_num_threads())], capture_output=True, text=True, timeout=1200)
         m = re.search(r"Final estimate: PPL = ([0-9.]+)", r.stdout + r.stderr)
         print(f"llama.cpp llama-perplexity: perplexity {m.group(1) if m else 'not found: ' + (r.stderr[-300:])}")

@@ -14,6 +14,8 @@ dequantized to bf16 (`none`) and as int8 weights (`int8`), against llama.cpp's `
 
     .venv/bin/python benchmarks/bench_quant.py --llama-bench /path/to/llama-bench --out benchmarks/results/quant.json
 
+`--rounds N` alternates single-request decode natively and llama-bench N times (the machine is shared: the ratio
+of each round's pair is the figure to trust), then reports the medians and the median ratio.
 `--model FILE.gguf` measures another file than the embedded Q4_1 one (a Q4_K_M file, say), llama.cpp on it too.
 
 Every figure names the CPU it ran on (lscpu's model name and flags) and the caps in force (MINISGL_CPU_ISA,
@@ -113,6 +115,7 @@ def main():
     ap.add_argument("--llama-bench", default=None, metavar="PATH")
     ap.add_argument("--out", default=None)
     ap.add_argument("--choice", type=int, default=0, metavar="N", help="only time auto's measurement N times (no generation)")
+    ap.add_argument("--rounds", type=int, default=0, metavar="N", help="only alternate single-request decode (gguf) and llama-bench N times")
     ap.add_argument("--linears", action="store_true", help="only time the quantized linears of --quantization gguf, per batch")
     args = ap.parse_args()
     from minisgl import LLM
@@ -134,6 +137,20 @@ def main():
             from minisgl.engine import _resolve_dtype
             dtype = str(_resolve_dtype("auto", torch.device("cpu")))   # what EngineConfig() ran: the default dtype here
             with open(args.out, "w") as f: json.dump({"info": info, "dtype": dtype, "choice_runs": runs, "medians": med}, f, indent=1)
+        return
+    if args.rounds:
+        if not args.llama_bench: ap.error("--rounds needs --llama-bench")
+        llm, gguf, rounds = LLM(model=args.model, quantization="gguf", max_running_reqs=1), args.model or str(default_gguf_path()), []
+        for i in range(args.rounds):
+            ours = decode_rates(llm, [1], args.prompt_len, args.new_tokens, args.reps)[1]
+            theirs = llama_tg(args.llama_bench, gguf, info["threads"], args.new_tokens, args.reps)
+            rounds.append({"minisgl": ours, "llama.cpp": theirs, "ratio": ours / theirs})
+            print(f"  round {i + 1}: minisgl {ours:.1f} tok/s, llama.cpp {theirs:.1f} tok/s, ratio {ours / theirs:.2f}", flush=True)
+        med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+        print(f"medians: minisgl {med['minisgl']:.1f} tok/s, llama.cpp {med['llama.cpp']:.1f} tok/s, ratio {med['ratio']:.2f}", flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"machine": info, "run": vars(args), "file": os.path.basename(gguf), "rounds": rounds, "medians": med}, f, indent=1)
         return
     if args.linears:
         llm = LLM(model=args.model, quantization="gguf", max_running_reqs=max(batches))
