@@ -16,6 +16,9 @@ dequantized to bf16 (`none`) and as int8 weights (`int8`), against llama.cpp's `
 
 `--rounds N` alternates single-request decode natively and llama-bench N times (the machine is shared: the ratio
 of each round's pair is the figure to trust), then reports the medians and the median ratio.
+`--formats` times one row of activations against 128 MB of random weights of each format (copies of a 1536 x 1536
+weight, so that they stream from memory): GB/s and weights/s per format, the kernel's rate where the file is not
+the point.
 `--model FILE.gguf` measures another file than the embedded Q4_1 one (a Q4_K_M file, say), llama.cpp on it too.
 
 Every figure names the CPU it ran on (lscpu's model name and flags) and the caps in force (MINISGL_CPU_ISA,
@@ -104,6 +107,27 @@ def llama_tg(path: str, gguf: str, threads: int, new: int, reps: int) -> float:
     return json.loads(r.stdout)[0]["avg_ts"]
 
 
+def format_rates(reps: int = 15) -> dict:
+    "Per format: GB/s and G weights/s of q8dot for one row of activations over 128 MB of 1536 x 1536 weights (best of `reps`)."
+    from minisgl.kernels import native
+    from minisgl.quant import QUANT_FORMATS, random_gguf_rows, repack
+    n = k = 1536
+    out = {}
+    for name, fmt in QUANT_FORMATS.items():
+        if name == "I8": continue
+        w0 = torch.from_numpy(repack(fmt, random_gguf_rows(fmt, n, k), k))
+        ws, x = [w0.clone() for _ in range((128 << 20) // w0.numel())], torch.randn(1, k)
+        def once():
+            t = time.perf_counter()
+            for w in ws: native().quant_linear(x, [w], [fmt.qtype], None)
+            return time.perf_counter() - t
+        once()
+        t = min(once() for _ in range(reps))
+        out[name] = {"GB_s": sum(w.numel() for w in ws) / t / 1e9, "Gweights_s": n * k * len(ws) / t / 1e9}
+        print(f"  {name}: {out[name]['GB_s']:.1f} GB/s, {out[name]['Gweights_s']:.1f} G weights/s", flush=True)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--modes", default="gguf,none,int8")
@@ -116,6 +140,7 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--choice", type=int, default=0, metavar="N", help="only time auto's measurement N times (no generation)")
     ap.add_argument("--rounds", type=int, default=0, metavar="N", help="only alternate single-request decode (gguf) and llama-bench N times")
+    ap.add_argument("--formats", action="store_true", help="only time q8dot per format over weights streamed from memory")
     ap.add_argument("--linears", action="store_true", help="only time the quantized linears of --quantization gguf, per batch")
     args = ap.parse_args()
     from minisgl import LLM
@@ -137,6 +162,11 @@ def main():
             from minisgl.engine import _resolve_dtype
             dtype = str(_resolve_dtype("auto", torch.device("cpu")))   # what EngineConfig() ran: the default dtype here
             with open(args.out, "w") as f: json.dump({"info": info, "dtype": dtype, "choice_runs": runs, "medians": med}, f, indent=1)
+        return
+    if args.formats:
+        rates = format_rates()
+        if args.out:
+            with open(args.out, "w") as f: json.dump({"machine": info, "run": vars(args), "formats": rates}, f, indent=1)
         return
     if args.rounds:
         if not args.llama_bench: ap.error("--rounds needs --llama-bench")

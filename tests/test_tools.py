@@ -107,7 +107,8 @@ def test_forced_calls_at_temperature_one_always_validate(client, choice):
         for c in r.choices:
             seen.append(_check_calls(c, names))
             if choice != "required": assert len(c.message.tool_calls) == 1      # a named choice: that one call
-    assert len({json.dumps(s) for s in seen}) > 1, "temperature 1 with 6 seeds gave one answer: is it sampling?"
+    if choice == "required":   # a choice of tools leaves room to differ; get_time's one argument the model may be sure of
+        assert len({json.dumps(s) for s in seen}) > 1, "temperature 1 with 6 seeds gave one answer: is it sampling?"
 
 
 def _raw_text(client, messages, tools, **kw) -> tuple[str, str]:
