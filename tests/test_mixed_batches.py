@@ -85,11 +85,12 @@ def test_native_request_is_the_same_bits_beside_any_others(dtype):
     # Quantized activations turn any rounding difference into a step of an int8 (0.05 in a log-probability), so
     # natively a request is served the same bits whatever its neighbours: q8dot computes each row alone, and the
     # attention kernels cut a request's keys the same way in any batch and take a single new query through the
-    # decode body in a mixed step too. Prompts past 256 tokens: decode attention's key chunks are merged.
-    eng = Engine(EngineConfig(dtype=dtype, device="cpu", max_running_reqs=4, max_seq_len=1024, kernels="q8dot"), progress=False)
+    # decode body in a mixed step too. A prompt past 1024 tokens: decode attention's key chunks (512+) are merged.
+    eng = Engine(EngineConfig(dtype=dtype, device="cpu", max_running_reqs=4, max_seq_len=1200, kernels="q8dot"), progress=False)
     assert eng.quantization == "gguf"
-    ids = eng.tokenizer(TEXT * 4)["input_ids"]
-    prompts = [ids[7 * i: 7 * i + n] for i, n in enumerate((300, 9, 520, 257))]
+    ids = eng.tokenizer(TEXT * 9)["input_ids"]
+    prompts = [ids[7 * i: 7 * i + n] for i, n in enumerate((300, 9, 1100, 520))]
+    assert [len(p) for p in prompts] == [300, 9, 1100, 520]
     alone = [run(eng, "prefill_first", [p], stagger=False, top=True, max_tokens=8)[0][0] for p in prompts]
     for policy in ("mixed", "prefill_first"):
         got, kinds = run(eng, policy, prompts, top=True, max_tokens=8)

@@ -55,7 +55,7 @@ namespace {
 
 constexpr int kTileK = 64;     // keys per tile
 constexpr int kDecodeTile = 32;  // keys per decode tile
-constexpr int64_t kSplitKeys = 256;  // keys per decode task, at least: a request's softmax states over its chunks are merged
+constexpr int64_t kSplitKeys = 512;  // keys per decode task, at least: a request's softmax states over its chunks are merged
 constexpr int64_t kMaxScratchD = 1024;
 
 struct Args {
