@@ -39,7 +39,8 @@ def cpu_info() -> dict:
     out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     get = lambda key: next((l.split(":", 1)[1].strip() for l in out.splitlines() if l.startswith(key)), "")
     flags = sorted(f for f in get("Flags").split() if f.startswith(("avx", "amx")))
-    return {"cpu": get("Model name"), "flags": flags, "threads": torch.get_num_threads(),
+    from minisgl.quant import q8dot_isa
+    return {"cpu": get("Model name"), "flags": flags, "threads": torch.get_num_threads(), "q8dot": q8dot_isa() or "portable",
             "caps": {k: os.environ.get(k, "") for k in ("MINISGL_CPU_ISA", "ONEDNN_MAX_CPU_ISA")}}
 
 

@@ -145,10 +145,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_row_bytes", &minisgl::quant_row_bytes,
         "bytes of one repacked row of K weights of a quantized type (GGML ids; 100: per-channel int8), -1 if none",
         py::arg("qtype"), py::arg("k"));
-  m.def("quant_vnni_available", &minisgl::quant_vnni_available,
-        "whether quant_linear runs its AVX512-VNNI kernel here (MINISGL_CPU_ISA not capping it below avx512)");
+  m.def("quant_q8dot_isa", &minisgl::quant_q8dot_isa,
+        "the body of quant_linear's int8 kernel here: 'avx512-vnni', 'avx2' (MINISGL_CPU_ISA=avx2 caps it), '' (portable)");
   m.def("quant_amx_available", &minisgl::cpu::quant_amx_here,
-        "whether quant_linear(..., vnni=2) runs here: AMX-BF16 with the tile state lent, MINISGL_CPU_ISA not capping it");
+        "whether quant_linear(..., kernel=2) runs here: AMX-BF16 with the tile state lent, MINISGL_CPU_ISA not capping it");
   m.def("quant_dequantize", &minisgl::quant_dequantize_cpu,
         "fp32 [rows, K] of a repacked quantized weight (all rows, or those listed), as gguf-py dequantizes",
         py::arg("weight"), py::arg("qtype"), py::arg("k"), py::arg("rows") = py::none());

@@ -197,9 +197,9 @@ def _load_model(self: Engine) -> CausalLM:
         q = self.quantization = self.quantization_choice.quantization
         logger.info('--quantization auto: %s', self.quantization_choice)
     if self.device.type == 'cpu':
-        from minisgl.quant import QUANT_FORMATS, vnni_available
+        from minisgl.quant import QUANT_FORMATS, q8dot_isa
         logger.info('quantized weights run natively here: %s (%s); --quantization %s', ', '.join(QUANT_FORMATS),
-                    'AVX512-VNNI' if vnni_available() else 'portable C++, no AVX512-VNNI', q)
+                    f'int8 dot products on {q8dot_isa().upper()}' if q8dot_isa() else 'portable C++: neither AVX512-VNNI nor AVX2', q)
     if q == 'gguf':
         return load_gguf_model(self.model_dir, _gguf_file(self.config.model), self.dtype, self.config.max_seq_len)
     model = load_model(self.model_dir, self.dtype, self.device, self.config.max_seq_len)

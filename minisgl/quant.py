@@ -27,8 +27,8 @@ from .linear import (ROW_BUCKETS, KernelPlan, LinearSpec, _buckets_up_to, _read_
 logger = logging.getLogger('minisgl.quant')
 
 # %% auto #0
-__all__ = ['logger', 'QUANT_FORMATS', 'FORMAT_BY_TYPE', 'QUANT_KERNELS', 'QuantFormat', 'quant_available', 'vnni_available',
-           'repack', 'random_gguf_rows', 'quantize_int8', 'quant_error_bound', 'quant_kernel_runs', 'QuantLinear',
+__all__ = ['logger', 'QUANT_FORMATS', 'FORMAT_BY_TYPE', 'QUANT_KERNELS', 'QuantFormat', 'quant_available', 'q8dot_isa', 'repack',
+           'random_gguf_rows', 'quantize_int8', 'quant_error_bound', 'quant_kernel_runs', 'QuantLinear',
            'QuantEmbedding', 'quant_specs', 'measure_quant_linear', 'quant_plan']
 
 # %% ../nbs/04d_quant.ipynb #b6ef509b
@@ -54,14 +54,14 @@ FORMAT_BY_TYPE = {f.qtype: f for f in QUANT_FORMATS.values()}
 
 
 def quant_available() -> bool:
-    "Whether `minisgl._C` has the quantized linears (any CPU: a portable path where AVX512-VNNI is missing)."
+    "Whether `minisgl._C` has the quantized linears (any CPU: a portable path where neither AVX512-VNNI nor AVX2 is)."
     ext = native()
     return ext is not None and hasattr(ext, 'quant_linear')
 
 
-def vnni_available() -> bool:
-    "Whether the quantized linears run on AVX512-VNNI here (`MINISGL_CPU_ISA` below avx512 turns it off)."
-    return quant_available() and native().quant_vnni_available()
+def q8dot_isa() -> str:
+    "The int8 kernel's body here: `'avx512-vnni'`, `'avx2'` (`MINISGL_CPU_ISA=avx2` imitates it on a wider CPU), or `''` (portable only)."
+    return native().quant_q8dot_isa() if quant_available() else ''
 
 # %% ../nbs/04d_quant.ipynb #4092c5f4
 def _lanes(a: np.ndarray) -> np.ndarray:

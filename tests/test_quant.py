@@ -285,3 +285,39 @@ def test_auto_measures_native_against_dequantized_once(tmp_path, caplog, monkeyp
     assert _resolve_quantization(EngineConfig(model=str(tmp_path)), dev) == "none"
     assert _resolve_quantization(EngineConfig(), torch.device("cuda")) == "none"
     assert _resolve_quantization(EngineConfig(), dev) == "auto"
+
+
+_BODY_SCRIPT = r"""
+import sys, torch
+from minisgl.quant import QUANT_FORMATS, native, random_gguf_rows, repack, quantize_int8
+torch.manual_seed(0)
+out = {'isa': native().quant_q8dot_isa()}
+for name, fmt in QUANT_FORMATS.items():
+    k = 512
+    w = quantize_int8(torch.randn(48, k)) if name == 'I8' else torch.from_numpy(repack(fmt, random_gguf_rows(fmt, 48, k), k))
+    x = torch.randn(11, k)
+    out[name] = [native().quant_linear(x.to(dt), [w], [fmt.qtype], torch.randn(48), 1).float() for dt in (torch.float32, torch.bfloat16)]
+torch.save(out, sys.argv[1])
+"""
+
+
+def test_avx2_body_gives_the_vnni_bodys_bits(tmp_path):
+    "The int8 kernel's AVX2 body (MINISGL_CPU_ISA=avx2) against this CPU's own: the same bits, Q8_0 and I8 aside (the sign trick)."
+    import subprocess, sys
+    from minisgl.quant import q8dot_isa
+    if not q8dot_isa(): pytest.skip("no x86 vector unit: only the portable path runs here")
+    runs = {}
+    for cap in ("", "avx2"):
+        path = tmp_path / f"out{cap}.pt"
+        env = {**os.environ, "MINISGL_CPU_ISA": cap} if cap else {k: v for k, v in os.environ.items() if k != "MINISGL_CPU_ISA"}
+        subprocess.run([sys.executable, "-c", _BODY_SCRIPT, str(path)], env=env, check=True, timeout=300)
+        runs[cap] = torch.load(path)
+    wide, avx2 = runs[""], runs["avx2"]
+    assert avx2["isa"] == "avx2" and wide["isa"] == q8dot_isa()
+    for name in wide:
+        if name == "isa": continue
+        for a, b in zip(wide[name], avx2[name]):
+            if name in ("Q8_0", "I8") and wide["isa"] != "avx2":   # no offset term: fp32 rounding apart, both within the bound
+                assert (a - b).abs().max() <= 1e-3 * a.abs().max(), name
+            else:
+                assert torch.equal(a, b), name

@@ -99,7 +99,7 @@ struct LinearPlan {
   void prepare_rows(const at::Tensor& x, int64_t r0, int64_t r1) const {
     const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
     if (qp.amx) act->pack_rows(xb, x.stride(0), r0, r1);
-    else if (qp.vnni) act->quantize_rows(xb, x.stride(0), r0, r1);
+    else if (qp.q8) act->quantize_rows(xb, x.stride(0), r0, r1);
     else
       for (int64_t m = r0; m < r1; ++m)
         for (int64_t k = 0; k < qp.K; ++k)
@@ -178,7 +178,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_cpu(
       if (!act) {
         act.reset(new QAct());
         act->reset(n, cols);
-        if (!p.qp.vnni) act->xf.resize(n * cols);
+        if (!p.qp.q8) act->xf.resize(n * cols);
       }
       if (p.qp.amx && act->xpad.empty()) act->reset_packed(n, cols);   // only where an AMX projection reads it
       p.act = act.get();

@@ -205,10 +205,59 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) void quantize_rows
     }
   }
 }
+
+// The same on AVX2: the same fp32 operations (so the same q8, dx and sums), 8 elements at a time.
+template <typename T>
+__attribute__((target("avx2,fma,f16c"))) inline __m256 load8_f32(const T* p) {
+  if constexpr (std::is_same_v<T, float>) return _mm256_loadu_ps(p);
+  else return _mm256_castsi256_ps(_mm256_slli_epi32(
+      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+__attribute__((target("avx2,fma,f16c"))) inline int hsum8(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 1)));
+}
+
+template <typename T>
+__attribute__((target("avx2,fma,f16c"))) void quantize_rows_avx2(QAct& a, const T* x, int64_t xs, int64_t m0,
+                                                                 int64_t m1) {
+  const int64_t K = a.K, nb = K / 32;
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);   // undoes packs' interleaving of 128-bit lanes
+  for (int64_t m = m0; m < m1; ++m) {
+    const T* xr = x + m * xs;
+    int8_t* q = a.q8.data() + a.q8_off + m * a.Kp;
+    for (int64_t j = 0; j < nb; ++j) {
+      __m256 v[4];
+      for (int i = 0; i < 4; ++i) v[i] = load8_f32(xr + j * 32 + 8 * i);
+      const __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], abs_mask), _mm256_and_ps(v[1], abs_mask)),
+                                      _mm256_max_ps(_mm256_and_ps(v[2], abs_mask), _mm256_and_ps(v[3], abs_mask)));
+      __m128 h = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+      h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+      h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+      const float amax = _mm_cvtss_f32(h);
+      const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+      __m256i r[4];
+      for (int i = 0; i < 4; ++i) r[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)));
+      const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + j * 32), _mm256_permutevar8x32_epi32(b, order));
+      const int sum0 = hsum8(_mm256_add_epi32(r[0], r[1])), sum1 = hsum8(_mm256_add_epi32(r[2], r[3]));
+      a.s16[(m * nb + j) * 2] = d * static_cast<float>(sum0);
+      a.s16[(m * nb + j) * 2 + 1] = d * static_cast<float>(sum1);
+      a.s32[m * nb + j] = d * static_cast<float>(sum0 + sum1);
+      a.d32[m * nb + j] = d;
+    }
+  }
+}
 #else
 template <typename T>
 void quantize_rows_of(QAct&, const T*, int64_t, int64_t, int64_t) {
-  TORCH_CHECK(false, "quantized activations are made for the VNNI kernel, which needs an x86 CPU");
+  TORCH_CHECK(false, "quantized activations are made for the int8 kernel, which needs an x86 CPU");
+}
+template <typename T>
+void quantize_rows_avx2(QAct&, const T*, int64_t, int64_t, int64_t) {
+  TORCH_CHECK(false, "quantized activations are made for the int8 kernel, which needs an x86 CPU");
 }
 #endif
 
@@ -413,19 +462,207 @@ GroupFn vnni_group(int64_t t, int mc) {
     default: return nullptr;
   }
 }
+// ---------------------------------------------------------------- AVX2: the same kernel, 8 rows at a time
+// Without AVX512-VNNI (AMD's Zen 2 and 3, Intel before Ice Lake; MINISGL_CPU_ISA=avx2 on a wider CPU) u . q8 takes
+// two steps, llama.cpp's: `vpmaddubsw` multiplies unsigned by signed bytes and adds pairs into int16, and `vpmaddwd`
+// by ones adds pairs of those into int32. A 32-byte register is half a chunk (rows 0-7, or 8-15), so a group of 16
+// rows runs as two halves, each over the whole row (the second half's bytes are in L1 by then). An int16 saturates at
+// 32767, and a pair of products is at most 2 * 127 * u_max: with 4-bit quants all 8 quads of a block add up in int16
+// before widening (8 * 3810 = 30480), with 5-bit 4 quads (31496), with 6-bit 2 (32004); Q8_0's and I8's signed quants
+// take the sign trick (|q| times x with q's sign) one quad at a time, and need no offset. The fp32 steps are the VNNI
+// kernel's, in its order, so that the two give the same bits (the signed formats aside).
+#define MINISGL_T2 __attribute__((target("avx2,fma,f16c")))
+
+constexpr int kMC2 = 4;   // rows of x per half block: 8 quads + 4 accumulators + scales fit the 16 ymm registers
+
+MINISGL_T2 inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+MINISGL_T2 inline __m256 f16x8(const uint8_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+MINISGL_T2 inline __m256 u8x8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+MINISGL_T2 inline __m256 i8x8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+MINISGL_T2 inline __m256i low4_2(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(15)); }
+MINISGL_T2 inline __m256i high4_2(__m256i v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15)); }
+
+constexpr bool signed_quants(int64_t t) { return t == Q8_0 || t == I8; }
+
+// block_of for rows 8 hv .. 8 hv + 7 of the group: byte offsets + 32 hv in a chunk, + 16 hv in a [16] fp16 array,
+// + 8 hv in a [16] byte array. Q8_0's and I8's quants stay signed (b0, b1 unused).
+template <int64_t T>
+MINISGL_T2 inline void half_block_of(const uint8_t* g, int64_t j, int hv, __m256i q[8], __m256& s0, __m256& b0,
+                                     __m256& s1, __m256& b1) {
+  const int64_t s = j / 8, jj = j % 8, o = 32 * hv;
+  if constexpr (T == Q4_0 || T == Q4_1) {
+    const uint8_t* rec = g + j * (T == Q4_0 ? kRec40 : kRec41);
+    const uint8_t* qs = rec + (T == Q4_0 ? 32 : 64) + o;
+    for (int i = 0; i < 4; ++i) {
+      const __m256i v = load32(qs + 64 * i);
+      q[i] = low4_2(v);
+      q[i + 4] = high4_2(v);
+    }
+    s0 = f16x8(rec + 16 * hv);
+    b0 = T == Q4_0 ? _mm256_mul_ps(s0, _mm256_set1_ps(-8.f)) : f16x8(rec + 32 + 16 * hv);
+  } else if constexpr (T == Q5_0 || T == Q5_1) {
+    const uint8_t* rec = g + j * (T == Q5_0 ? kRec50 : kRec51);
+    const uint8_t* qh = rec + (T == Q5_0 ? 32 : 64) + o;
+    const __m256i h = load32(qh), bit4 = _mm256_set1_epi8(0x10);
+    for (int i = 0; i < 4; ++i) {
+      const __m256i v = load32(qh + 64 + 64 * i);
+      q[i] = low4_2(v);
+      q[i + 4] = high4_2(v);
+    }
+    for (int c = 0; c < 8; ++c) {   // bit c of each byte, moved to bit 4
+      const __m256i t = c < 4 ? _mm256_slli_epi16(h, 4 - c) : c > 4 ? _mm256_srli_epi16(h, c - 4) : h;
+      q[c] = _mm256_or_si256(q[c], _mm256_and_si256(t, bit4));
+    }
+    s0 = f16x8(rec + 16 * hv);
+    b0 = T == Q5_0 ? _mm256_mul_ps(s0, _mm256_set1_ps(-16.f)) : f16x8(rec + 32 + 16 * hv);
+  } else if constexpr (T == Q8_0 || T == I8) {
+    const uint8_t* qs = (T == Q8_0 ? g + j * kRec80 + 32 : g + 64 + j * 512) + o;
+    for (int c = 0; c < 8; ++c) q[c] = load32(qs + 64 * c);
+    s0 = T == Q8_0 ? f16x8(g + j * kRec80 + 16 * hv) : _mm256_loadu_ps(reinterpret_cast<const float*>(g) + 8 * hv);
+    b0 = _mm256_setzero_ps();
+  } else if constexpr (T == Q4_K || T == Q5_K) {
+    const uint8_t* rec = g + s * (T == Q4_K ? kRec4K : kRec5K);
+    const uint8_t* qs = rec + (T == Q4_K ? 320 : 832) + (jj / 2) * 512 + o;
+    for (int c = 0; c < 8; ++c) {
+      const __m256i v = load32(qs + 64 * c);
+      q[c] = jj % 2 ? high4_2(v) : low4_2(v);
+      if constexpr (T == Q5_K) {   // bit jj of each qh byte, moved to bit 4
+        const __m256i h = _mm256_and_si256(_mm256_srli_epi16(load32(rec + 320 + 64 * c + o), static_cast<int>(jj)),
+                                           _mm256_set1_epi8(1));
+        q[c] = _mm256_or_si256(q[c], _mm256_slli_epi16(h, 4));
+      }
+    }
+    s0 = _mm256_mul_ps(f16x8(rec + 16 * hv), u8x8(rec + 64 + 16 * jj + 8 * hv));
+    b0 = _mm256_mul_ps(f16x8(rec + 32 + 16 * hv), _mm256_sub_ps(_mm256_setzero_ps(), u8x8(rec + 192 + 16 * jj + 8 * hv)));
+  } else {   // Q6_K
+    const uint8_t* rec = g + s * kRec6K;
+    const int h = static_cast<int>(jj / 4), tq = static_cast<int>(jj % 4);
+    const uint8_t* half = rec + 288 + 1536 * h + o;
+    for (int c = 0; c < 8; ++c) {
+      const __m256i v = load32(half + (8 * (tq & 1) + c) * 64);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(load32(half + 1024 + 64 * c), 2 * tq), _mm256_set1_epi8(3));
+      q[c] = _mm256_or_si256(tq >> 1 ? high4_2(v) : low4_2(v), _mm256_slli_epi16(hi, 4));
+    }
+    const __m256 d = f16x8(rec + 16 * hv);
+    const int sub = 8 * h + 2 * tq;
+    s0 = _mm256_mul_ps(d, i8x8(rec + 32 + 16 * sub + 8 * hv));
+    s1 = _mm256_mul_ps(d, i8x8(rec + 32 + 16 * (sub + 1) + 8 * hv));
+    b0 = _mm256_mul_ps(s0, _mm256_set1_ps(-32.f));
+    b1 = _mm256_mul_ps(s1, _mm256_set1_ps(-32.f));
+    return;
+  }
+  s1 = s0;
+  b1 = b0;
+}
+
+MINISGL_T2 inline __m256i xquad2(const int8_t* p) {
+  int v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// Quads [c0, c0 + N) of q against x's: 8 int32 sums, one per row; PER quads share an int16 sum before widening.
+template <int N, int PER>
+MINISGL_T2 inline __m256i dots2(const __m256i* q, const int8_t* xq) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i acc = _mm256_setzero_si256();
+  for (int c0 = 0; c0 < N; c0 += PER) {
+    __m256i s = _mm256_maddubs_epi16(q[c0], xquad2(xq + 4 * c0));
+    for (int c = c0 + 1; c < c0 + PER; ++c) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(q[c], xquad2(xq + 4 * c)));
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(s, ones));
+  }
+  return acc;
+}
+MINISGL_T2 inline __m256i dots2_signed(const __m256i* q, const int8_t* xq) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i acc = _mm256_setzero_si256();
+  for (int c = 0; c < 8; ++c) {
+    const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(q[c]), _mm256_sign_epi8(xquad2(xq + 4 * c), q[c]));
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, ones));
+  }
+  return acc;
+}
+
+MINISGL_T2 inline __m256i bf16_bits2(__m256 v) {
+  const __m256i b = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  return _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7fff)), odd), 16);
+}
+MINISGL_T2 inline void store8(const YOut& y, int64_t m, int64_t col, __m256 v) {
+  if (y.b) {
+    const __m256i b = bf16_bits2(v);   // < 65536: packus keeps them; 64-bit lanes 0 and 2 hold the 8 results
+    const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(b, b), 0x08);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(y.b + m * y.ys + col), _mm256_castsi256_si128(p));
+  } else {
+    if (y.rounded) v = _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits2(v), 16));
+    _mm256_storeu_ps(y.f + m * y.ys + col, v);
+  }
+}
+
+template <int64_t T, int MC>
+MINISGL_T2 void group_avx2(const uint8_t* g, int64_t K, const QAct& a, int64_t m0, const float* bias, const YOut& y,
+                           int64_t col) {
+  const int64_t nb = K / 32;
+  for (int hv = 0; hv < 2; ++hv) {
+    __m256 acc[MC];
+    for (int i = 0; i < MC; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < nb; ++j) {
+      __m256i q[8];
+      __m256 s0, b0, s1, b1;
+      half_block_of<T>(g, j, hv, q, s0, b0, s1, b1);
+      for (int i = 0; i < MC; ++i) {
+        const int64_t m = m0 + i;
+        const int8_t* xq = a.q(m) + j * 32;
+        const __m256 dx = _mm256_set1_ps(a.d32[m * nb + j]);
+        if constexpr (signed_quants(T)) {
+          acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots2_signed(q, xq)), _mm256_mul_ps(s0, dx), acc[i]);
+        } else if constexpr (T == Q6_K) {
+          const __m256i lo = dots2<4, 2>(q, xq), hi = dots2<4, 2>(q + 4, xq + 16);
+          acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(s0, dx), acc[i]);
+          acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(s1, dx), acc[i]);
+          acc[i] = _mm256_fmadd_ps(b0, _mm256_set1_ps(a.s16[(m * nb + j) * 2]), acc[i]);
+          acc[i] = _mm256_fmadd_ps(b1, _mm256_set1_ps(a.s16[(m * nb + j) * 2 + 1]), acc[i]);
+        } else {
+          constexpr bool four = T == Q4_0 || T == Q4_1 || T == Q4_K;
+          const __m256i d = four ? dots2<8, 8>(q, xq) : dots2<8, 4>(q, xq);
+          acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(s0, dx), acc[i]);
+          acc[i] = _mm256_fmadd_ps(b0, _mm256_set1_ps(a.s32[m * nb + j]), acc[i]);
+        }
+      }
+    }
+    const __m256 bv = bias ? _mm256_loadu_ps(bias + 8 * hv) : _mm256_setzero_ps();
+    for (int i = 0; i < MC; ++i) store8(y, m0 + i, col + 8 * hv, _mm256_add_ps(acc[i], bv));
+  }
+}
+
+template <int64_t T>
+GroupFn groups2_for_count(int mc) {
+  static constexpr GroupFn fns[kMC2] = {group_avx2<T, 1>, group_avx2<T, 2>, group_avx2<T, 3>, group_avx2<T, 4>};
+  return fns[mc - 1];
+}
+
+GroupFn avx2_group(int64_t t, int mc) {
+  switch (t) {
+    case Q4_0: return groups2_for_count<Q4_0>(mc);
+    case Q4_1: return groups2_for_count<Q4_1>(mc);
+    case Q5_0: return groups2_for_count<Q5_0>(mc);
+    case Q5_1: return groups2_for_count<Q5_1>(mc);
+    case Q8_0: return groups2_for_count<Q8_0>(mc);
+    case Q4_K: return groups2_for_count<Q4_K>(mc);
+    case Q5_K: return groups2_for_count<Q5_K>(mc);
+    case Q6_K: return groups2_for_count<Q6_K>(mc);
+    case I8: return groups2_for_count<I8>(mc);
+    default: return nullptr;
+  }
+}
 #endif
 
-bool vnni_here() {
-#ifdef MINISGL_Q_X86
-  static const bool ok = [] {
-    __builtin_cpu_init();
-    return best_isa() >= Isa::avx512 && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("f16c");
-  }();
-  return ok;
-#else
-  return false;
-#endif
-}
 
 void check_weight(const at::Tensor& w, int64_t t, int64_t K, const char* fn) {
   TORCH_CHECK(w.device().is_cpu(), fn, ": weights must be on the CPU");
@@ -547,17 +784,35 @@ void part_rows(const QuantPlan& p, const QuantPlan::Part& pt, int64_t r0, int64_
 #ifdef MINISGL_QAMX
   if (p.amx) { amx_rows(pt.qtype)(pt.w, pt.rb, p.K, r0, r1, a, bias, out, pt.start); return; }
 #endif
-  if (!p.vnni) { rows_portable(pt.qtype, pt.w, pt.rb, p.K, r0, r1, xf, a.M, bias, out, pt.start); return; }
+  if (!p.q8) { rows_portable(pt.qtype, pt.w, pt.rb, p.K, r0, r1, xf, a.M, bias, out, pt.start); return; }
 #ifdef MINISGL_Q_X86
+  const bool vnni = q8_isa_here() == Q8Isa::vnni;
+  const int64_t mc_max = vnni ? kMC : kMC2;
   for (int64_t n = r0; n < r1; n += 16)
-    for (int64_t m0 = 0; m0 < a.M; m0 += kMC) {
-      const int mc = static_cast<int>(std::min<int64_t>(kMC, a.M - m0));
-      vnni_group(pt.qtype, mc)(pt.w + n * pt.rb, p.K, a, m0, bias ? bias + n : nullptr, out, pt.start + n);
+    for (int64_t m0 = 0; m0 < a.M; m0 += mc_max) {
+      const int mc = static_cast<int>(std::min<int64_t>(mc_max, a.M - m0));
+      (vnni ? vnni_group : avx2_group)(pt.qtype, mc)(pt.w + n * pt.rb, p.K, a, m0, bias ? bias + n : nullptr, out,
+                                                     pt.start + n);
     }
 #endif
 }
 
 }  // namespace
+
+// Which body of the int8 kernel runs here: AVX512-VNNI, AVX2, or none (the portable fallback).
+Q8Isa q8_isa_here() {
+#ifdef MINISGL_Q_X86
+  static const Q8Isa isa = [] {
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("f16c")) return Q8Isa::none;
+    if (best_isa() >= Isa::avx512 && __builtin_cpu_supports("avx512vnni")) return Q8Isa::vnni;
+    return best_isa() >= Isa::avx2 ? Q8Isa::avx2 : Q8Isa::none;
+  }();
+  return isa;
+#else
+  return Q8Isa::none;
+#endif
+}
 
 void QAct::reset(int64_t m, int64_t k) {
   M = m; K = k; Kp = (k + 63) / 64 * 64;
@@ -586,8 +841,14 @@ bool quant_amx_here() {
 #endif
 }
 
-void QAct::quantize_rows(const float* x, int64_t xs, int64_t m0, int64_t m1) { quantize_rows_of(*this, x, xs, m0, m1); }
-void QAct::quantize_rows(const uint16_t* x, int64_t xs, int64_t m0, int64_t m1) { quantize_rows_of(*this, x, xs, m0, m1); }
+void QAct::quantize_rows(const float* x, int64_t xs, int64_t m0, int64_t m1) {
+  if (q8_isa_here() == Q8Isa::vnni) quantize_rows_of(*this, x, xs, m0, m1);
+  else quantize_rows_avx2(*this, x, xs, m0, m1);
+}
+void QAct::quantize_rows(const uint16_t* x, int64_t xs, int64_t m0, int64_t m1) {
+  if (q8_isa_here() == Q8Isa::vnni) quantize_rows_of(*this, x, xs, m0, m1);
+  else quantize_rows_avx2(*this, x, xs, m0, m1);
+}
 
 QuantPlan make_quant_plan(const std::vector<at::Tensor>& weights, const std::vector<int64_t>& qtypes, int64_t K,
                           const float* bias, int64_t nparts) {
@@ -600,7 +861,7 @@ QuantPlan make_quant_plan(const std::vector<at::Tensor>& weights, const std::vec
     p.N += weights[i].size(0);
   }
   p.bias = bias;
-  p.vnni = vnni_here();
+  p.q8 = q8_isa_here() != Q8Isa::none;
   p.nparts = std::max<int64_t>(1, std::min<int64_t>(nparts, (p.N + 15) / 16));
   p.per = ((p.N + p.nparts - 1) / p.nparts + 15) / 16 * 16;   // whole blocks of 16 rows
   p.nparts = (p.N + p.per - 1) / p.per;
@@ -623,7 +884,13 @@ void run_quant_part(const QuantPlan& p, const QAct& a, const float* xf, int64_t 
 
 int64_t quant_row_bytes(int64_t qtype, int64_t K) { return cpu::row_bytes(qtype, K); }
 
-bool quant_vnni_available() { return cpu::vnni_here(); }
+std::string quant_q8dot_isa() {
+  switch (cpu::q8_isa_here()) {
+    case cpu::Q8Isa::vnni: return "avx512-vnni";
+    case cpu::Q8Isa::avx2: return "avx2";
+    default: return "";
+  }
+}
 
 at::Tensor quant_dequantize_cpu(const at::Tensor& w, int64_t qtype, int64_t K, const c10::optional<at::Tensor>& rows) {
   cpu::check_weight(w, qtype, K, "quant_dequantize");
@@ -652,7 +919,7 @@ at::Tensor quant_dequantize_cpu(const at::Tensor& w, int64_t qtype, int64_t K, c
 }
 
 // y[M, sum N_p] = x[M, K] @ W^T (+ bias): W given as parts (rows of one output each, in order), each with its type.
-// kernel: -1 the best of VNNI and portable here, 0 the portable path, 1 VNNI, 2 AMX (bf16 x); checked.
+// kernel: -1 the best of int8 (VNNI or AVX2) and portable here, 0 the portable path, 1 int8, 2 AMX (bf16 x); checked.
 at::Tensor quant_linear_cpu(const at::Tensor& x, const std::vector<at::Tensor>& weights,
                             const std::vector<int64_t>& qtypes, const c10::optional<at::Tensor>& bias, int64_t kernel) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2, "quant_linear: x must be a 2-D CPU tensor, got ", x.sizes());
@@ -664,10 +931,10 @@ at::Tensor quant_linear_cpu(const at::Tensor& x, const std::vector<at::Tensor>& 
   if (bias) bf = bias->to(at::kFloat).contiguous();
   cpu::QuantPlan p = cpu::make_quant_plan(weights, qtypes, K, bias ? bf.data_ptr<float>() : nullptr, 4 * nt);
   TORCH_CHECK(!bias || bias->numel() == p.N, "quant_linear: bias must have ", p.N, " entries, got ", bias->numel());
-  TORCH_CHECK(kernel != 1 || p.vnni, "quant_linear: VNNI asked for but not available here");
+  TORCH_CHECK(kernel != 1 || p.q8, "quant_linear: the int8 kernel (AVX512-VNNI or AVX2) asked for but not available here");
   TORCH_CHECK(kernel != 2 || cpu::quant_amx_here(), "quant_linear: AMX asked for but not available here");
   TORCH_CHECK(kernel != 2 || x.scalar_type() == at::kBFloat16, "quant_linear: the AMX kernel takes bfloat16 x");
-  if (kernel == 0) p.vnni = false;
+  if (kernel == 0) p.q8 = false;
   p.amx = kernel == 2;
   at::Tensor y = at::empty({M, p.N}, x.options());
   if (M == 0 || p.N == 0) return y;
@@ -679,7 +946,7 @@ at::Tensor quant_linear_cpu(const at::Tensor& x, const std::vector<at::Tensor>& 
   if (p.amx) {
     act.reset_packed(M, K);
     act.pack_rows(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), K, 0, M);
-  } else if (p.vnni) {
+  } else if (p.q8) {
     if (x.scalar_type() == at::kFloat) act.quantize_rows(xc.data_ptr<float>(), K, 0, M);
     else act.quantize_rows(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), K, 0, M);
   } else {

@@ -4,6 +4,7 @@
 #include <c10/util/Optional.h>
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "gemv.h"
@@ -37,9 +38,13 @@ struct QuantPlan {
   std::vector<Part> parts;
   int64_t N = 0, K = 0, nparts = 1, per = 0;
   const float* bias = nullptr;   // fp32 [N] or null; must outlive the plan's runs
-  bool vnni = true;
+  bool q8 = true;                // the int8 kernel (AVX512-VNNI or AVX2); else the portable path
   bool amx = false;              // dequantize 32 weights x 16 rows into a bf16 tile, multiply on AMX (bf16 x)
 };
+
+// Which body of the int8 kernel runs here (quant.cpp): VNNI, AVX2, or none (the portable path).
+enum class Q8Isa { none, avx2, vnni };
+Q8Isa q8_isa_here();
 
 // Whether the AMX kernel runs here (AMX-BF16, the tile state lent, no MINISGL_CPU_ISA cap).
 bool quant_amx_here();
@@ -49,7 +54,7 @@ QuantPlan make_quant_plan(const std::vector<at::Tensor>& weights, const std::vec
                           const float* bias, int64_t nparts);
 
 // Part `part` of the plan: y[:, rows of the part] for the M rows of `a` (quantized from x); y [M, ys] as yf says.
-// The portable path (no VNNI) reads xf, x as fp32 [M, K], instead of `a`.
+// The portable path (no int8 kernel) reads xf, x as fp32 [M, K], instead of `a`.
 void run_quant_part(const QuantPlan& p, const QAct& a, const float* xf, int64_t part, void* y, int64_t ys, YFormat yf);
 
 }  // namespace cpu
@@ -57,12 +62,13 @@ void run_quant_part(const QuantPlan& p, const QAct& a, const float* xf, int64_t 
 // Bytes of one repacked row of K weights of type qtype (GGML's ids 2 3 8 12 13 14, or 100 for per-channel int8),
 // -1 where that type cannot hold such rows.
 int64_t quant_row_bytes(int64_t qtype, int64_t K);
-// Whether quant_linear runs its VNNI kernel here (AVX512-VNNI, no MINISGL_CPU_ISA cap below avx512).
-bool quant_vnni_available();
+// The body of quant_linear's int8 kernel here: "avx512-vnni", "avx2" (MINISGL_CPU_ISA=avx2 imitates it on a wider CPU),
+// or "" where only the portable path runs.
+std::string quant_q8dot_isa();
 // The fp32 values of weight w (or of its rows `rows`), exactly as gguf-py dequantizes them.
 at::Tensor quant_dequantize_cpu(const at::Tensor& w, int64_t qtype, int64_t K, const c10::optional<at::Tensor>& rows);
 // y = x @ W^T (+ bias) in x's dtype, W the row-wise concatenation of `weights`, each of its own type; kernel: -1 the
-// best of VNNI and portable here, 0 portable, 1 VNNI, 2 AMX (bf16 x).
+// best of int8 (VNNI or AVX2) and portable here, 0 portable, 1 int8, 2 AMX (bf16 x).
 at::Tensor quant_linear_cpu(const at::Tensor& x, const std::vector<at::Tensor>& weights,
                             const std::vector<int64_t>& qtypes, const c10::optional<at::Tensor>& bias, int64_t kernel);
 
