@@ -39,5 +39,5 @@ if python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)
 nbdev_test --n_workers 2 --timing $flags
 
 echo "== 3/3 pytest tests/ (tests/test_kernels.py also compiles every CUDA source with nvcc)"
-python -m pytest tests/ -q -p no:cacheprovider "$@"
+python -m pytest tests/ -q -p no:cacheprovider --durations=30 "$@"
 echo "all tests passed in $((SECONDS - start)) s (after set-up)"
