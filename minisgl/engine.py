@@ -163,7 +163,8 @@ class Engine:
         if config.num_threads: torch.set_num_threads(config.num_threads)
         self.device = _resolve_device(config.device)
         self.dtype = _resolve_dtype(config.dtype, self.device)
-        self.model_dir = resolve_model(config.model, progress=progress)
+        self.progress = progress
+        self.model_dir = resolve_model(config.model, progress=progress, weights=False)   # config and tokenizer: weights are `_load_model`'s
         self.model: CausalLM = self._load_model()
         cfg = self.model.cfg
         self.max_seq_len = self.model.max_seq_len
@@ -202,7 +203,7 @@ def _load_model(self: Engine) -> CausalLM:
                     f'int8 dot products on {q8dot_isa().upper()}' if q8dot_isa() else 'portable C++: neither AVX512-VNNI nor AVX2', q)
     if q == 'gguf':
         return load_gguf_model(self.model_dir, _gguf_file(self.config.model), self.dtype, self.config.max_seq_len)
-    model = load_model(self.model_dir, self.dtype, self.device, self.config.max_seq_len)
+    model = load_model(resolve_model(self.config.model, self.progress), self.dtype, self.device, self.config.max_seq_len)
     if q == 'int8':
         saved = quantize_linears_int8(model)
         logger.info('weights quantized to int8 per channel: %.0f MB less than %s', saved / 2**20, str(self.dtype).replace('torch.', ''))
@@ -300,7 +301,7 @@ def _plan_dense_kernels(self: Engine, specs: dict) -> KernelPlan:
 # %% ../nbs/08_engine.ipynb #736b3146
 def model_linear_specs(model: str | None = None, max_running_reqs: int = PLANNED_ROWS) -> dict:
     "The `LinearSpec`s of a model (HF directory, .gguf, None: the default) from its config alone: no weights are read."
-    cfg = ModelConfig.from_hf(load_hf_config(resolve_model(model, progress=False)))
+    cfg = ModelConfig.from_hf(load_hf_config(resolve_model(model, progress=False, weights=False)))
     with torch.device('meta'): m = CausalLM(cfg, max_seq_len=16)
     return linear_specs(m, max_running_reqs)
 

@@ -9,6 +9,7 @@ import bisect
 import hashlib
 import json
 import logging
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -223,6 +224,8 @@ _QUANT_PASS_BYTES = 64 << 20     # weight bytes cycled through per timing, at mo
 _QUANT_MAX_CALL_FLOPS = 4e9      # calls above this are not timed (the last bucket's time is scaled)
 _QUANT_HOPELESS = 4.0            # a kernel this many times slower than the other is not timed at more rows,
 _QUANT_PRUNE_FROM = 64           # ... from this many on (dequantizing pays off only over many rows)
+_QUANT_SAMPLE_S = 0.02           # one sample's calls: about this long (a slow kernel is timed over fewer of the linears)
+_QUANT_TIME_ONCE = 16.0          # a kernel this many times slower than the other in the warm-up is timed once, not `reps` times
 
 
 def quant_specs(model: nn.Module, max_batch: int) -> dict[tuple[int, int], LinearSpec]:
@@ -254,12 +257,17 @@ def measure_quant_linear(lins: list[QuantLinear], rows: list[int], dtype: torch.
         if 2 * m * n * k > _QUANT_MAX_CALL_FLOPS and m != rows[0]: break
         x = torch.randn(m, k, generator=gen).to(dtype)
         calls = max(1, min(len(use), int(1e9 // (2 * m * n * k))))
-        samples = {kern: [] for kern in alive}
-        for rep in range(reps + 1):                       # the first round warms up
+        samples, warm = {kern: [] for kern in alive}, {}
+        for kern in alive:                                # one call warms up and sizes the samples
+            t0 = time.perf_counter(); use[0].run(kern, x); warm[kern] = time.perf_counter() - t0
+        kern_calls = {kern: max(1, min(calls, math.ceil(_QUANT_SAMPLE_S / s))) for kern, s in warm.items()}
+        kern_reps = {kern: 1 if s > _QUANT_TIME_ONCE * min(warm.values()) else reps for kern, s in warm.items()}
+        for rep in range(reps):
             for kern in alive:
+                if rep >= kern_reps[kern]: continue       # far behind: the plan will not pick it, noise or not
                 t0 = time.perf_counter()
-                for lin in use[:calls]: lin.run(kern, x)
-                if rep: samples[kern].append((time.perf_counter() - t0) / calls)
+                for lin in use[:kern_calls[kern]]: lin.run(kern, x)
+                samples[kern].append((time.perf_counter() - t0) / kern_calls[kern])
         for kern in alive: times[kern][m] = statistics.median(samples[kern])
         best = min(times[kern][m] for kern in alive)
         if m >= _QUANT_PRUNE_FROM: alive = [kern for kern in alive if times[kern][m] < _QUANT_HOPELESS * best]

@@ -311,7 +311,7 @@ class TPEngine(Engine):
         if device.type == 'cuda': torch.cuda.set_device(device); config = dataclasses.replace(config, device=str(device))
         elif config.num_threads is None:       # the ranks of one machine share its cores
             torch.set_num_threads(max(1, torch.get_num_threads() // ranks_per_node(config)))
-        self.full_cfg = ModelConfig.from_hf(load_hf_config(resolve_model(config.model, progress=progress)))
+        self.full_cfg = ModelConfig.from_hf(load_hf_config(resolve_model(config.model, progress=progress, weights=False)))
         self.shard = ShardPlan.of(self.full_cfg, rank, config.tp_size)
         f, shard = self.full_cfg, self.shard
         elems = max(f.hidden_size * 4096, (shard.vocab[1] - shard.vocab[0]) * 64)   # a 4096-token chunk, a 64-row head
@@ -327,7 +327,7 @@ class TPEngine(Engine):
 # %% ../nbs/08b_tensor_parallel.ipynb #b1a37e0c
 @patch
 def _load_model(self: TPEngine):
-    return load_model(self.model_dir, self.dtype, self.device, self.config.max_seq_len, shard=self.shard)
+    return load_model(resolve_model(self.config.model, self.progress), self.dtype, self.device, self.config.max_seq_len, shard=self.shard)
 
 @patch
 def _kv_bytes_per_page(self: TPEngine) -> int:
@@ -408,7 +408,7 @@ def run_tp_rank(config: EngineConfig, rank: int, log_level: str = 'info', parent
 def launch_tp(config: EngineConfig, log_level: str = 'info') -> tuple[EngineConfig, list]:
     "The config with its meeting address filled in, and this machine's follower processes, started."
     if config.tp_size == 1: return config, []
-    full = ModelConfig.from_hf(load_hf_config(resolve_model(config.model, progress=False)))
+    full = ModelConfig.from_hf(load_hf_config(resolve_model(config.model, progress=False, weights=False)))
     for r in range(config.tp_size): ShardPlan.of(full, r, config.tp_size)     # a split that cannot be: say so before any start
     if config.dist_init_addr is None: config = dataclasses.replace(config, dist_init_addr=free_init_addr())
     spawn = mp.get_context('spawn')

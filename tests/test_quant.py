@@ -38,15 +38,17 @@ INT8_TIE = 4.0   # int8 re-quantizes the dequantized Q4_1 weights: their logits 
 
 
 def make(quantization):
+    # quantized: q8dot at every size, the kernel these tests bound (a measured plan may pick dequant for some sizes,
+    # and timings vary); the plan's measurement is chapter quant's and test_auto_measures_...'s
     return Engine(EngineConfig(model=None, dtype="float32", device="cpu", page_size=4, num_pages=1200, max_seq_len=1024,
-                               quantization=quantization), progress=False)
+                               quantization=quantization, kernels="auto" if quantization == "none" else "q8dot"),
+                  progress=False)
 
 
 @pytest.fixture(scope="module")
 def native(one_thread):
     e = make("gguf")
-    for lin in e.model.modules():   # q8dot at every size: the plan may pick exact kernels for some, and timings vary
-        if isinstance(lin, QuantLinear): lin.set_plan([(2048, "q8dot")])
+    assert all(lin.kernels == ["q8dot"] * len(lin.kernels) for lin in e.model.modules() if isinstance(lin, QuantLinear))
     return e
 
 
@@ -142,18 +144,38 @@ def requantized_file(path, formats):
     writer.close()
 
 
+def dense_copy(engine):
+    "`engine` with its quantized linears swapped for fp32 `nn.Linear`s of their exact dequantization."
+    for name, lin in list(engine.model.named_modules()):
+        if not isinstance(lin, QuantLinear): continue
+        dense = torch.nn.Linear(lin.in_features, lin.out_features, bias=lin.bias is not None)
+        dense.weight.data = lin.dequantized()
+        if lin.bias is not None: dense.bias.data = lin.bias.float()
+        parent, _, attr = name.rpartition(".")
+        setattr(engine.model.get_submodule(parent), attr, dense.requires_grad_(False))
+    engine.model.__dict__.pop("_native_weights", None)   # the fused decode step's view of the weights, taken anew
+    assert not any(isinstance(m, QuantLinear) for m in engine.model.modules())
+    return engine
+
+
 def test_q5_file_decodes_like_its_dequantized_model(tmp_path):
     # Q5_0 is what llama.cpp's K-quant files hold where rows are not a multiple of 256 (this model's 576: a Q4_K_M of
-    # it has 166 Q5_0 linears), Q5_1 its sibling: a file of both, served natively against the same file dequantized
+    # it has 166 Q5_0 linears), Q5_1 its sibling: a file of both, served natively against the same file dequantized.
+    # The reference is the file's exact dequantization (bit-exact with gguf-py, chapter quant) in plain fp32 linears,
+    # rather than transformers' reading of it, which the Q4_1 tests above already hold the loader to (and which
+    # would cost a 30 s conversion)
     from gguf import GGMLQuantizationType as Q
     path = tmp_path / "smollm2-q5.gguf"
     requantized_file(path, {"attn_q": Q.Q5_0, "attn_k": Q.Q5_0, "attn_output": Q.Q5_0, "ffn_gate": Q.Q5_0,
                             "ffn_up": Q.Q5_0, "attn_v": Q.Q5_1, "ffn_down": Q.Q5_1})
     kw = dict(model=str(path), dtype="float32", device="cpu", page_size=4, num_pages=600, max_seq_len=512)
     native = Engine(EngineConfig(**kw, kernels="q8dot"), progress=False)
-    dequantized = Engine(EngineConfig(**kw, quantization="none"), progress=False)
+    dequantized = dense_copy(Engine(EngineConfig(**kw, kernels="q8dot"), progress=False))
     lins = [m for m in native.model.modules() if isinstance(m, QuantLinear)]
     assert len(lins) == 4 * 30 + 1 and {f.name for m in lins for f in m.formats} == {"Q5_0", "Q5_1", "Q8_0"}
+    from minisgl.weights import converted_dir
+    assert native.model_dir == converted_dir(path)                        # its conversion: the config half only
+    assert not list(native.model_dir.glob("*.safetensors"))
     prompts = make_prompts(native.tokenizer)[:6]
     worst = max((last_logits(native, p) - last_logits(dequantized, p)).abs().max().item() for p in prompts)
     print(f"Q5_0/Q5_1 file: largest logit difference, native vs dequantized, {worst:.3f} (bound {LOGIT_BOUND})")
@@ -163,6 +185,30 @@ def test_q5_file_decodes_like_its_dequantized_model(tmp_path):
     _, ref = run_engine(dequantized, prompts, cfg, max_tokens=NEW_TOKENS)
     for i, p in enumerate(prompts):
         check_same_or_tie(ours[i], ref[i], dequantized, p, f"Q5 prompt {i}")
+
+
+def test_float_linears_are_read_from_the_file_unpermuted(tmp_path, caplog):
+    """Linears the kernels do not take (here F16 q and k projections, which llama.cpp stores with their rows permuted)
+    are de-quantized from the file itself, rows un-permuted: equal to transformers' reading of the Q4_1 originals
+    within F16's rounding (a row out of place would be off by whole weights); the rest of the fused projection, the
+    Q4_1 v rows, bit for bit."""
+    import logging
+    from gguf import GGMLQuantizationType as Q
+    from minisgl.weights import load_gguf_model, load_model, resolve_model
+    path = tmp_path / "smollm2-f16-qk.gguf"
+    requantized_file(path, {"attn_q": Q.F16, "attn_k": Q.F16})
+    d = resolve_model(None, progress=False)          # the embedded model's conversion: the same config, transformers' weights
+    with caplog.at_level(logging.INFO, logger="minisgl.weights"):
+        ours = load_gguf_model(d, path, torch.float32)
+    assert "layers.7.self_attn.qkv_proj dequantized to float32 (F16 has no native kernel)" in caplog.text
+    ref = load_model(d, torch.float32)
+    cfg = ref.cfg
+    for i in (0, 7, 29):
+        a, b = ours.layers[i].self_attn.qkv_proj.weight, ref.layers[i].self_attn.qkv_proj.weight
+        qk = cfg.q_size + cfg.kv_size
+        assert torch.allclose(a[:qk], b[:qk], rtol=2 ** -10, atol=2 ** -24), i
+        assert torch.equal(a[qk:], b[qk:]), i
+        assert isinstance(ours.layers[i].mlp.gate_up_proj, QuantLinear)
 
 
 def test_int8_weights_decode_like_the_dequantized_model(dequantized):
@@ -212,7 +258,7 @@ def test_one_call_decode_step_equals_the_separate_calls():
     rounded to int8 per block can turn such a bit into a different q8."""
     import dataclasses
     e = Engine(EngineConfig(model=None, dtype="bfloat16", device="cpu", num_pages=64, max_seq_len=256,
-                            quantization="gguf"), progress=False)
+                            quantization="gguf", kernels="q8dot"), progress=False)   # the kernels are set below
     m, n = e.model, 5
     slots = torch.arange(n)
     with torch.inference_mode():
