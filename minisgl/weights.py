@@ -310,7 +310,7 @@ def _gguf_tensors(reader, cfg: ModelConfig, arch: str) -> Iterable[tuple[str, Ca
         name = f'model.layers.{parts[1]}.{hf}.{parts[-1]}' if parts[0] == 'blk' else f'{hf}.{parts[-1]}'
         yield name, functools.partial(read, t, heads.get(kind))
 
-# %% ../nbs/06_weights.ipynb #31b3b98d
+# %% ../nbs/06_weights.ipynb #4c901ab3
 def _tensor_reader(path: str | Path):
     "gguf-py's `GGUFReader` of `path`, stepping over the metadata's arrays instead of parsing them element by element."
     import struct
