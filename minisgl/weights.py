@@ -14,7 +14,7 @@ import hashlib
 import logging
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 import numpy as np

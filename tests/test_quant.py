@@ -158,7 +158,7 @@ def dense_copy(engine):
     return engine
 
 
-def test_q5_file_decodes_like_its_dequantized_model(tmp_path):
+def test_q5_file_decodes_like_its_dequantized_model(tmp_path, monkeypatch):
     # Q5_0 is what llama.cpp's K-quant files hold where rows are not a multiple of 256 (this model's 576: a Q4_K_M of
     # it has 166 Q5_0 linears), Q5_1 its sibling: a file of both, served natively against the same file dequantized.
     # The reference is the file's exact dequantization (bit-exact with gguf-py, chapter quant) in plain fp32 linears,
@@ -169,6 +169,7 @@ def test_q5_file_decodes_like_its_dequantized_model(tmp_path):
     requantized_file(path, {"attn_q": Q.Q5_0, "attn_k": Q.Q5_0, "attn_output": Q.Q5_0, "ffn_gate": Q.Q5_0,
                             "ffn_up": Q.Q5_0, "attn_v": Q.Q5_1, "ffn_down": Q.Q5_1})
     kw = dict(model=str(path), dtype="float32", device="cpu", page_size=4, num_pages=600, max_seq_len=512)
+    monkeypatch.setenv("MINISGL_CACHE", str(tmp_path / "cache"))      # converted here, whatever a cache holds
     native = Engine(EngineConfig(**kw, kernels="q8dot"), progress=False)
     dequantized = dense_copy(Engine(EngineConfig(**kw, kernels="q8dot"), progress=False))
     lins = [m for m in native.model.modules() if isinstance(m, QuantLinear)]
