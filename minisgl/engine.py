@@ -31,7 +31,7 @@ from .scheduler import MIN_PROMPT_CHUNK, ModelRunner, Scheduler, SchedulerConfig
 from .sampling import SamplingBatch, greedy_tokens, sample
 from .quant import QUANT_KERNELS, quant_kernel_runs, quant_plan, quant_specs
 from .weights import (eos_token_ids, load_gguf_model, load_hf_config, load_model, quantize_linears_int8, load_tokenizer, model_problem, resolve_model,
-                             sampling_defaults)
+                             sampling_defaults, _tensor_reader)
 
 logger = logging.getLogger('minisgl.engine')
 
@@ -504,6 +504,7 @@ class QuantChoice:
     native: dict[int, float]          # rows -> seconds, quantization='gguf'
     dequantized: dict[int, float]     # rows -> seconds, quantization='none'
     source: str = 'measured'          # 'measured', 'cache <file>', or why nothing was measured
+    unmeasured: str = 'none'          # what `auto` serves when nothing was measured
 
     @property
     def ratio(self) -> float:
@@ -512,7 +513,9 @@ class QuantChoice:
         return math.prod(self.native[m] / self.dequantized[m] for m in self.native) ** (1 / len(self.native))
 
     @property
-    def quantization(self) -> str: return 'gguf' if self.ratio <= 1 else 'none'
+    def quantization(self) -> str:
+        if not self.native: return self.unmeasured
+        return 'gguf' if self.ratio <= 1 else 'none'
 
     def __str__(self) -> str:
         if not self.native: return f'{self.quantization} ({self.source})'
@@ -570,6 +573,11 @@ def quantization_choice(config: EngineConfig, dtype: torch.dtype, fresh: bool | 
     path = _choice_file(config, dtype)
     fresh = config.kernels == 'measure' if fresh is None else fresh
     if not fresh and (choice := _read_choice(path)): return choice
+    gguf = _gguf_file(config.model)
+    need, have = sum(int(t.n_elements) for t in _tensor_reader(gguf).tensors) * 4, free_memory(torch.device('cpu'))
+    if need > have:
+        return QuantChoice({}, {}, f'not measured: dequantizing {gguf.name} would hold {need / 2**30:.1f} GB in fp32, '
+                                   f'{have / 2**30:.1f} GB of memory available', unmeasured='gguf')
     with _measuring_lock(path):
         if not fresh and (choice := _read_choice(path)): return choice   # measured by another engine while we waited
         logger.info('measuring once whether %s decodes faster natively or dequantized on this CPU (kept in %s)',
