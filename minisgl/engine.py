@@ -31,7 +31,7 @@ from .scheduler import MIN_PROMPT_CHUNK, ModelRunner, Scheduler, SchedulerConfig
 from .sampling import SamplingBatch, greedy_tokens, sample
 from .quant import QUANT_KERNELS, quant_kernel_runs, quant_plan, quant_specs
 from .weights import (eos_token_ids, load_gguf_model, load_hf_config, load_model, quantize_linears_int8, load_tokenizer, model_problem, resolve_model,
-                             sampling_defaults, _tensor_reader)
+                             sampling_defaults, gguf_weight_count)
 
 logger = logging.getLogger('minisgl.engine')
 
@@ -574,7 +574,7 @@ def quantization_choice(config: EngineConfig, dtype: torch.dtype, fresh: bool | 
     fresh = config.kernels == 'measure' if fresh is None else fresh
     if not fresh and (choice := _read_choice(path)): return choice
     gguf = _gguf_file(config.model)
-    need, have = sum(int(t.n_elements) for t in _tensor_reader(gguf).tensors) * 4, free_memory(torch.device('cpu'))
+    need, have = gguf_weight_count(gguf) * 4, free_memory(torch.device('cpu'))
     if need > have:
         return QuantChoice({}, {}, f'not measured: dequantizing {gguf.name} would hold {need / 2**30:.1f} GB in fp32, '
                                    f'{have / 2**30:.1f} GB of memory available', unmeasured='gguf')

