@@ -375,8 +375,16 @@ def allocate_decode(self: CacheManager, reqs: list[Req]) -> torch.Tensor:
     if any(r.device_len - r.cached_len != 1 or r.table_idx not in self.owned for r in reqs):
         raise ValueError("allocate_decode: every request must own its row and grow by exactly one position")
     ps = self.page_size
-    rows = torch.tensor([r.table_idx for r in reqs], dtype=torch.int64)
-    pos = torch.tensor([r.cached_len for r in reqs], dtype=torch.int64)
+    if self.page_table.device.type == 'cpu':
+        # A CPU table is read and written through its numpy view: a decode step reads and writes one entry
+        # per request, ~0.3 us each that way against ~5-15 us for a torch op (a tenth of a ms per step).
+        table = self.page_table.numpy()
+        slots = [int(table[r.table_idx, r.cached_len - 1]) + 1 if r.cached_len % ps else int(self.allocate(r)[0])
+                 for r in reqs]                     # the next slot of the last page, unless that page is full
+        for r, s in zip(reqs, slots): table[r.table_idx, r.cached_len] = s
+        return torch.tensor(slots, dtype=self.page_table.dtype)
+    rows = torch.tensor([r.table_idx for r in reqs], dtype=torch.int64, device=self.page_table.device)
+    pos = torch.tensor([r.cached_len for r in reqs], dtype=torch.int64, device=self.page_table.device)
     slots = self.page_table[rows, pos - 1] + 1          # the next slot of the last page ...
     for i, r in enumerate(reqs):
         if r.cached_len % ps == 0: slots[i] = self.allocate(r)[0]   # ... unless that page is full

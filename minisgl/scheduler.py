@@ -307,7 +307,8 @@ def _run_engine(self: Scheduler, batch: Batch, emits: torch.Tensor) -> ForwardOu
     "Engine side: gather input ids from the token pool, forward, write the sampled tokens back to the pool."
     pool = self.table_manager.token_pool
     rows = batch.table_idx.long()
-    batch.input_ids = pool[rows.repeat_interleave(batch.extend_lens.long()), batch.positions].long()
+    at = rows if batch.is_decode else rows.repeat_interleave(batch.extend_lens.long())   # each token's row
+    batch.input_ids = pool[at, batch.positions].long()
     start = self.clock()
     try: output = self.engine.forward_batch(batch)
     except Exception as e: output = self._forward_each(batch, e)    # one request's fault must not fail the others

@@ -135,7 +135,7 @@ def args_of(m, x, ctx):
     m._decode_layers_native(x.clone(), clone_ctx(ctx))   # fills m._native_weights
     x, ctx = x.clone(), clone_ctx(ctx)
     a = m.layers[0].self_attn
-    (weights, *_), = m._native_weights.values()   # one choice of kernels: the plain weights (the GEMV)
+    (weights, _), = m._native_weights.values()   # one choice of kernels: the plain weights (the GEMV)
     return dict(x=x, weights=list(weights), eps=m.cfg.rms_norm_eps,
                 k_caches=[k for k, _ in ctx.kv_caches], v_caches=[v for _, v in ctx.kv_caches],
                 cos=m.rotary.cos, sin=m.rotary.sin, positions=ctx.positions, out_loc=ctx.out_loc,

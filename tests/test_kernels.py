@@ -200,6 +200,13 @@ def _variant_check():
             case = make_case(D, *EXTEND[2], page=16, Hq=8, Hkv=2, D=D, dtype=dtype)
             assert_matches(run("extend_attention", case, "cpu", window), sdpa_reference(**case, sliding_window=window),
                            dtype)
+    g = torch.Generator().manual_seed(0)
+    for n in (5, 8, 17, 49152):   # greedy sampling's argmax: ties, NaN, all -inf, and every tail of the lanes
+        x = torch.randn(4, n, generator=g)
+        x[0, [1, n - 1]] = 50.0
+        x[1, n // 2] = float("nan")
+        x[2] = -float("inf")
+        assert torch.equal(K.native().argmax_rows(x), x.max(-1).indices), n
     print(f"isa={K.native().cpu_isa()}")
 
 
