@@ -201,6 +201,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) void quantize_rows
       a.s16[(m * nb + j) * 2] = d * static_cast<float>(sum0);
       a.s16[(m * nb + j) * 2 + 1] = d * static_cast<float>(sum1);
       a.s32[m * nb + j] = d * static_cast<float>(sum0 + sum1);
+      a.i32[m * nb + j] = sum0 + sum1;
       a.d32[m * nb + j] = d;
     }
   }
@@ -246,6 +247,7 @@ __attribute__((target("avx2,fma,f16c"))) void quantize_rows_avx2(QAct& a, const 
       a.s16[(m * nb + j) * 2] = d * static_cast<float>(sum0);
       a.s16[(m * nb + j) * 2 + 1] = d * static_cast<float>(sum1);
       a.s32[m * nb + j] = d * static_cast<float>(sum0 + sum1);
+      a.i32[m * nb + j] = sum0 + sum1;
       a.d32[m * nb + j] = d;
     }
   }
@@ -424,7 +426,13 @@ MINISGL_TQ void group_vnni(const uint8_t* g, int64_t K, const QAct& a, int64_t m
       const int8_t* xq = a.q(m) + j * 32;
       const __m512i lo = dot4(q, xq), hi = dot4(q + 4, xq + 16);
       const __m512 dx = _mm512_set1_ps(a.d32[m * nb + j]);
-      if constexpr (T == Q6_K) {
+      if constexpr (T == Q8_0 || T == I8) {
+        // The signed quants were read as q + 128: 128 * sum(q8) comes off in integers, so the one fp32 step rounds
+        // sum(q * q8) itself, the AVX2 body's sum (in fp32, the offset of a block of small quants could be 100
+        // times its value, and cancelling it lost 7 bits).
+        const __m512i d = _mm512_sub_epi32(_mm512_add_epi32(lo, hi), _mm512_set1_epi32(128 * a.i32[m * nb + j]));
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(s0, dx), acc[i]);
+      } else if constexpr (T == Q6_K) {
         acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(s0, dx), acc[i]);
         acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_mul_ps(s1, dx), acc[i]);
         acc[i] = _mm512_fmadd_ps(b0, _mm512_set1_ps(a.s16[(m * nb + j) * 2]), acc[i]);
@@ -470,7 +478,8 @@ GroupFn vnni_group(int64_t t, int mc) {
 // 32767, and a pair of products is at most 2 * 127 * u_max: with 4-bit quants all 8 quads of a block add up in int16
 // before widening (8 * 3810 = 30480), with 5-bit 4 quads (31496), with 6-bit 2 (32004); Q8_0's and I8's signed quants
 // take the sign trick (|q| times x with q's sign) one quad at a time, and need no offset. The fp32 steps are the VNNI
-// kernel's, in its order, so that the two give the same bits (the signed formats aside).
+// kernel's, in its order, so that the two give the same bits (for Q8_0 and I8, the VNNI body takes its offset off in
+// integers).
 #define MINISGL_T2 __attribute__((target("avx2,fma,f16c")))
 
 constexpr int kMC2 = 4;   // rows of x per half block: 8 quads + 4 accumulators + scales fit the 16 ymm registers
@@ -820,6 +829,7 @@ void QAct::reset(int64_t m, int64_t k) {
   q8_off = (64 - reinterpret_cast<uintptr_t>(q8.data()) % 64) % 64;
   d32.resize(M * (K / 32));
   s32.resize(M * (K / 32));
+  i32.resize(M * (K / 32));
   s16.resize(M * (K / 16));
 }
 void QAct::reset_packed(int64_t m, int64_t k) {

@@ -13,13 +13,14 @@ namespace minisgl {
 namespace cpu {
 
 // Activations [M, K] quantized per block of 32 (quant.cpp): q8 in 64-byte aligned rows; per row and block of 32 its
-// scale dx, and dx * sum(q8) per block of 32 and per half of 16. reset() sizes it; quantize_rows() fills rows
+// scale dx, dx * sum(q8) per block of 32 and per half of 16, and sum(q8) per block of 32. reset() sizes it; quantize_rows() fills rows
 // [m0, m1) (any threads, disjoint rows).
 struct QAct {
   int64_t M = 0, K = 0, Kp = 0;   // Kp: K rounded up to 64
   std::vector<int8_t> q8;        // [M, Kp] (+ 64 bytes of slack for alignment)
   std::vector<float> d32;        // [M, K/32]
   std::vector<float> s32;        // [M, K/32]
+  std::vector<int32_t> i32;      // [M, K/32] sum(q8) itself (the signed formats' offset, taken off in integers)
   std::vector<float> s16;        // [M, K/16]
   std::vector<float> xf;         // [M, K] fp32: the portable path's input (decode.cpp fills it)
   std::vector<uint16_t> xpad;    // AMX: x as bf16 [ceil(M/16) * 16, K], zero rows past M (whole tiles to load)
