@@ -15,7 +15,9 @@ dequantized to bf16 (`none`) and as int8 weights (`int8`), against llama.cpp's `
     .venv/bin/python benchmarks/bench_quant.py --llama-bench /path/to/llama-bench --out benchmarks/results/quant.json
 
 `--rounds N` alternates single-request decode natively and llama-bench N times (the machine is shared: the ratio
-of each round's pair is the figure to trust), then reports the medians and the median ratio.
+of each round's pair is the figure to trust), then reports the medians and the median ratio. With `--depths 0,1000,2000`
+the request decodes after a prompt of exactly that many tokens, and llama-bench with as many in its cache (`-d`): the
+attention's share of a step grows with the context.
 `--formats` times one row of activations against 128 MB of random weights of each format (copies of a 1536 x 1536
 weight, so that they stream from memory): GB/s and weights/s per format, the kernel's rate where the file is not
 the point.
@@ -65,12 +67,14 @@ def step_bytes(model) -> int:
     return total
 
 
-def decode_rates(llm, batches, prompt_len, new, reps) -> dict:
+def decode_rates(llm, batches, prompt_len, new, reps, exact_len=False) -> dict:
+    "Decode tok/s of B requests together, for each B in `batches`; `exact_len`: prompts of exactly `prompt_len` tokens."
     from minisgl.core import SamplingParams
     words = "the quick brown fox jumps over a lazy dog while it rains on the hills far away".split()
     out = {}
     for b in batches:
         prompts = [" ".join(words[(i + j) % len(words)] for j in range(prompt_len)) for i in range(b)]
+        if exact_len: prompts = [llm.tokenizer.encode(p)[:prompt_len] for p in prompts]
         def run(n):
             p = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
             t = time.perf_counter(); llm.generate(prompts, p); return time.perf_counter() - t
@@ -101,8 +105,8 @@ def linear_times(llm, batches, reps=9) -> dict:
     return out
 
 
-def llama_tg(path: str, gguf: str, threads: int, new: int, reps: int) -> float:
-    r = subprocess.run([path, "-m", gguf, "-t", str(threads), "-p", "0", "-n", str(new), "-r", str(reps), "-o", "json"],
+def llama_tg(path: str, gguf: str, threads: int, new: int, reps: int, depth: int = 0) -> float:
+    r = subprocess.run([path, "-m", gguf, "-t", str(threads), "-p", "0", "-n", str(new), "-r", str(reps), "-d", str(depth), "-o", "json"],
                        capture_output=True, text=True, timeout=900)
     if r.returncode != 0: raise RuntimeError(f"llama-bench failed: {r.stderr.strip()[-500:]}")
     return json.loads(r.stdout)[0]["avg_ts"]
@@ -141,6 +145,7 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--choice", type=int, default=0, metavar="N", help="only time auto's measurement N times (no generation)")
     ap.add_argument("--rounds", type=int, default=0, metavar="N", help="only alternate single-request decode (gguf) and llama-bench N times")
+    ap.add_argument("--depths", default=None, metavar="D,D,...", help="with --rounds: one request after a prompt of D tokens, against llama-bench -d D")
     ap.add_argument("--formats", action="store_true", help="only time q8dot per format over weights streamed from memory")
     ap.add_argument("--linears", action="store_true", help="only time the quantized linears of --quantization gguf, per batch")
     args = ap.parse_args()
@@ -171,17 +176,25 @@ def main():
         return
     if args.rounds:
         if not args.llama_bench: ap.error("--rounds needs --llama-bench")
-        llm, gguf, rounds = LLM(model=args.model, quantization="gguf", max_running_reqs=1), args.model or str(default_gguf_path()), []
-        for i in range(args.rounds):
-            ours = decode_rates(llm, [1], args.prompt_len, args.new_tokens, args.reps)[1]
-            theirs = llama_tg(args.llama_bench, gguf, info["threads"], args.new_tokens, args.reps)
-            rounds.append({"minisgl": ours, "llama.cpp": theirs, "ratio": ours / theirs})
-            print(f"  round {i + 1}: minisgl {ours:.1f} tok/s, llama.cpp {theirs:.1f} tok/s, ratio {ours / theirs:.2f}", flush=True)
-        med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
-        print(f"medians: minisgl {med['minisgl']:.1f} tok/s, llama.cpp {med['llama.cpp']:.1f} tok/s, ratio {med['ratio']:.2f}", flush=True)
+        llm, gguf = LLM(model=args.model, quantization="gguf", max_running_reqs=1), args.model or str(default_gguf_path())
+        by_depth = {}
+        for d in [int(x) for x in args.depths.split(",")] if args.depths else [None]:
+            rounds = []
+            for i in range(args.rounds):
+                # at a depth: a prompt of exactly that many tokens, against llama-bench -d (that many tokens in its cache)
+                ours = decode_rates(llm, [1], d or args.prompt_len, args.new_tokens, args.reps, exact_len=d is not None)[1]
+                theirs = llama_tg(args.llama_bench, gguf, info["threads"], args.new_tokens, args.reps, d or 0)
+                rounds.append({"minisgl": ours, "llama.cpp": theirs, "ratio": ours / theirs})
+                print(f"  {'' if d is None else f'depth {d}, '}round {i + 1}: minisgl {ours:.1f} tok/s, "
+                      f"llama.cpp {theirs:.1f} tok/s, ratio {ours / theirs:.2f}", flush=True)
+            med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+            print(f"medians{'' if d is None else f' at depth {d}'}: minisgl {med['minisgl']:.1f} tok/s, "
+                  f"llama.cpp {med['llama.cpp']:.1f} tok/s, ratio {med['ratio']:.2f}", flush=True)
+            by_depth[d] = {"rounds": rounds, "medians": med}
         if args.out:
+            res = by_depth[None] if None in by_depth else {"depths": {str(d): r for d, r in by_depth.items()}}
             with open(args.out, "w") as f:
-                json.dump({"machine": info, "run": vars(args), "file": os.path.basename(gguf), "rounds": rounds, "medians": med}, f, indent=1)
+                json.dump({"machine": info, "run": vars(args), "file": os.path.basename(gguf), **res}, f, indent=1)
         return
     if args.linears:
         llm = LLM(model=args.model, quantization="gguf", max_running_reqs=max(batches))
