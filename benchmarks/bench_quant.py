@@ -181,8 +181,9 @@ def main():
         for d in [int(x) for x in args.depths.split(",")] if args.depths else [None]:
             rounds = []
             for i in range(args.rounds):
-                # at a depth: a prompt of exactly that many tokens, against llama-bench -d (that many tokens in its cache)
-                ours = decode_rates(llm, [1], d or args.prompt_len, args.new_tokens, args.reps, exact_len=d is not None)[1]
+                # at a depth: a prompt of exactly that many tokens (one at depth 0), against llama-bench -d (as many in its cache)
+                ours = decode_rates(llm, [1], max(d, 1) if d is not None else args.prompt_len, args.new_tokens, args.reps,
+                                    exact_len=d is not None)[1]
                 theirs = llama_tg(args.llama_bench, gguf, info["threads"], args.new_tokens, args.reps, d or 0)
                 rounds.append({"minisgl": ours, "llama.cpp": theirs, "ratio": ours / theirs})
                 print(f"  {'' if d is None else f'depth {d}, '}round {i + 1}: minisgl {ours:.1f} tok/s, "

@@ -409,7 +409,7 @@ class CausalLM(nn.Module):
         # The arguments that are the same from step to step are gathered once per choice of kernels and batch size
         # (a layer past the first may plan its own kernel for `rows`): gathering them from the modules cost
         # ~0.3 ms of Python in a ~6 ms step.
-        cache = self.__dict__.setdefault('_native_weights', {})
+        cache = self.__dict__.setdefault('_native_args', {})
         if (kinds, rows, head) not in cache: cache[kinds, rows, head] = self._native_call_args(kinds, rows, head)
         weights, after = cache[kinds, rows, head]
         kv = ctx.kv_caches
@@ -421,15 +421,16 @@ class CausalLM(nn.Module):
     def _native_call_args(self, kinds: tuple, rows: int, head: bool) -> tuple[list, tuple]:
         "`decode_layers`' weights, and its arguments after the step's lengths: those that stay from step to step."
         lin = lambda m: _native_weight(m, rows)
-        projs = [m for l in self.layers for m in (l.self_attn.qkv_proj, l.self_attn.o_proj, l.mlp.gate_up_proj, l.mlp.down_proj)]
-        quant = [m.parts if isinstance(m, QuantLinear) else [] for m in projs + [self.lm_head]]   # chapter quant
+        lins = [m for l in self.layers for m in (l.self_attn.qkv_proj, l.self_attn.o_proj, l.mlp.gate_up_proj, l.mlp.down_proj)]
+        lins.append(self.lm_head)                                      # every matmul of the step, the head last
+        quant = [m.parts if isinstance(m, QuantLinear) else [] for m in lins]   # chapter quant
         weights = [w for l in self.layers for w in (
             l.input_layernorm.weight, lin(l.self_attn.qkv_proj), l.self_attn.qkv_proj.bias,
             lin(l.self_attn.o_proj), l.self_attn.o_proj.bias, l.post_attention_layernorm.weight,
             lin(l.mlp.gate_up_proj), l.mlp.gate_up_proj.bias, lin(l.mlp.down_proj), l.mlp.down_proj.bias)]
         native_head = lin(self.lm_head) if kinds[-1] in NATIVE_KERNELS else None
-        quant_args = ((quant, [m.qtypes if isinstance(m, QuantLinear) else [] for m in projs + [self.lm_head]],
-                       [_linear_kernel(m, rows) == 'qamx' for m in projs + [self.lm_head]]) if any(quant) else ([], [], []))
+        quant_args = ((quant, [m.qtypes if isinstance(m, QuantLinear) else [] for m in lins],
+                       [_linear_kernel(m, rows) == 'qamx' for m in lins]) if any(quant) else ([], [], []))
         att = self.layers[0].self_attn
         runs_on = lambda body: [k == body and (i < 4 or head) for i, k in enumerate(kinds)]   # per projection, the head last
         after = (att.num_heads, att.num_kv_heads, att.scale, [l.self_attn.sliding_window for l in self.layers],

@@ -132,10 +132,10 @@ def test_real_model_step():
 
 def args_of(m, x, ctx):
     "decode_layers' arguments for a step on copies of x and of the caches (the step writes into both)."
-    m._decode_layers_native(x.clone(), clone_ctx(ctx))   # fills m._native_weights
+    m._decode_layers_native(x.clone(), clone_ctx(ctx))   # fills m._native_args
     x, ctx = x.clone(), clone_ctx(ctx)
     a = m.layers[0].self_attn
-    (weights, _), = m._native_weights.values()   # one choice of kernels: the plain weights (the GEMV)
+    (weights, _), = m._native_args.values()   # one choice of kernels: the plain weights (the GEMV)
     return dict(x=x, weights=list(weights), eps=m.cfg.rms_norm_eps,
                 k_caches=[k for k, _ in ctx.kv_caches], v_caches=[v for _, v in ctx.kv_caches],
                 cos=m.rotary.cos, sin=m.rotary.sin, positions=ctx.positions, out_loc=ctx.out_loc,

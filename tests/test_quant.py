@@ -153,7 +153,7 @@ def dense_copy(engine):
         if lin.bias is not None: dense.bias.data = lin.bias.float()
         parent, _, attr = name.rpartition(".")
         setattr(engine.model.get_submodule(parent), attr, dense.requires_grad_(False))
-    engine.model.__dict__.pop("_native_weights", None)   # the fused decode step's view of the weights, taken anew
+    engine.model.__dict__.pop("_native_args", None)   # the fused decode step's view of the weights, taken anew
     assert not any(isinstance(m, QuantLinear) for m in engine.model.modules())
     return engine
 
@@ -270,7 +270,7 @@ def test_one_call_decode_step_equals_the_separate_calls():
         for kernel, rows in [("q8dot", 1), ("q8dot", 3)] + ([("qamx", 3)] if quant_kernel_runs("qamx", torch.bfloat16) else []):
             for lin in m.modules():   # this kernel whatever the plan picked (a CPU without VNNI may prefer another)
                 if isinstance(lin, QuantLinear): lin.set_plan([(2048, kernel)])
-            m.__dict__.pop("_native_weights", None)
+            m.__dict__.pop("_native_args", None)
             d = ForwardContext(False, torch.arange(n, n + rows), torch.arange(n + 3).repeat(rows, 1),
                                torch.arange(rows) * 0, torch.full((rows,), n + 1), torch.ones(rows, dtype=torch.long),
                                e.kv_caches, e.backend)
