@@ -91,16 +91,22 @@ int64_t row_bytes(int64_t t, int64_t K) {
 constexpr int64_t kRec40 = 16 * 18, kRec41 = 16 * 20, kRec50 = 16 * 22, kRec51 = 16 * 24, kRec80 = 16 * 34;
 constexpr int64_t kRec4K = 16 * 148, kRec5K = 16 * 180, kRec6K = 16 * 210;
 
+// Q5_K and Q6_K ask for the weight bytes kPfAhead ahead of the block they read, into the L2 (prefetcht1). A part
+// streams its groups front to back, and the hardware prefetchers alone fall behind these two, whose blocks take the
+// most instructions: `bench_quant.py --formats` on an AMD EPYC Zen 4, Q5_K 27-29 -> 34-43 GB/s and Q6_K 24-25 -> 34-36
+// (VNNI body), and imitating AVX2 there Q5_K 19-21 -> 24-29, Q6_K 17-19 -> 23-25. The other formats do not ask: over
+// 128 MB they gained within the noise on VNNI and lost up to 15% on AVX2, and one request from the Q4_1 file decoded
+// ~5% slower with them (alternating builds). vec.h's prefetch_row (prefetcht2, the attention's) measured no better:
+// Q5_K imitating AVX2 23-28 GB/s against 27-29 with prefetcht1, alternating builds.
 #ifdef MINISGL_Q_X86
-// Asks for the weight bytes kPfAhead past [p, p + n) into the L2 (prefetcht1). A part streams its groups front to back,
-// and the hardware prefetchers alone fall behind the two slowest formats, whose blocks take the most instructions:
-// `bench_quant.py --formats` on an AMD EPYC Zen 4, Q5_K 27-29 -> 34-43 GB/s and Q6_K 24-25 -> 34-36 (VNNI body), and
-// imitating AVX2 there Q5_K 19-21 -> 24-29, Q6_K 17-19 -> 23-25. The other formats are not asked for: over 128 MB
-// they gained within the noise on VNNI and lost up to 15% on AVX2, and one request from the Q4_1 file decoded ~5%
-// slower with them (alternating builds).
 constexpr int64_t kPfAhead = 8192;
-inline void prefetch_ahead(const uint8_t* p, int64_t n) {
-  for (int64_t o = 0; o < n; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kPfAhead + o), _MM_HINT_T1);
+template <int64_t T>
+inline void prefetch_block_ahead(const uint8_t* g, int64_t j) {
+  if constexpr (T == Q5_K || T == Q6_K) {
+    constexpr int64_t block = (T == Q5_K ? kRec5K : kRec6K) / 8;   // a group's bytes per block of 32
+    const char* p = reinterpret_cast<const char*>(g + j * block + kPfAhead);
+    for (int64_t o = 0; o < block; o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
+  }
 }
 #endif
 
@@ -427,11 +433,11 @@ MINISGL_TQ inline void store16(const YOut& y, int64_t m, int64_t col, __m512 v) 
 template <int64_t T, int MC>
 MINISGL_TQ void group_vnni(const uint8_t* g, int64_t K, const QAct& a, int64_t m0, const float* bias, const YOut& y,
                            int64_t col) {
-  const int64_t nb = K / 32, step = 16 * row_bytes(T, K) / nb;   // a group's bytes per block
+  const int64_t nb = K / 32;
   __m512 acc[MC];
   for (int i = 0; i < MC; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t j = 0; j < nb; ++j) {
-    if constexpr (T == Q5_K || T == Q6_K) prefetch_ahead(g + j * step, step);
+    prefetch_block_ahead<T>(g, j);
     __m512i q[8];
     __m512 s0, b0, s1, b1;
     block_of<T>(g, j, q, s0, b0, s1, b1);
@@ -631,12 +637,12 @@ MINISGL_T2 inline void store8(const YOut& y, int64_t m, int64_t col, __m256 v) {
 template <int64_t T, int MC>
 MINISGL_T2 void group_avx2(const uint8_t* g, int64_t K, const QAct& a, int64_t m0, const float* bias, const YOut& y,
                            int64_t col) {
-  const int64_t nb = K / 32, step = 16 * row_bytes(T, K) / nb;   // a group's bytes per block
+  const int64_t nb = K / 32;
   for (int hv = 0; hv < 2; ++hv) {
     __m256 acc[MC];
     for (int i = 0; i < MC; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t j = 0; j < nb; ++j) {
-      if (hv == 0 && (T == Q5_K || T == Q6_K)) prefetch_ahead(g + j * step, step);   // hv 1 reads the group from the caches
+      if (hv == 0) prefetch_block_ahead<T>(g, j);   // hv 1 reads the group from the caches
       __m256i q[8];
       __m256 s0, b0, s1, b1;
       half_block_of<T>(g, j, hv, q, s0, b0, s1, b1);
