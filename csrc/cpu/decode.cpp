@@ -15,8 +15,12 @@
 //     thread: it is bound by memory, and every part starts a new stream that the prefetchers must pick up again
 //     (one part made a one-request step ~5% faster than four, medians of 30 alternating runs on the same
 //     machine). The small kernels in between split the rows of the batch (norms, rotary + K/V store, SiLU) or
-//     the attention plan's tasks
-//     (attention_plan.h). No extra threads: whatever OpenMP's wait policy, nothing else competes for the cores.
+//     the attention plan's tasks (attention_plan.h). The row kernels take raw pointers (rows.h): at::Tensor
+//     views and checks of a decode row cost more than the row (a row phase of one request took 1.8-3.8 us, the
+//     views and checks most of it; 0.7-3 us now, the quantizing below included), and nothing in the region
+//     throws. Every row phase splits the rows alike, so a thread goes on to quantize the rows it has just
+//     written for the next matmul in the same phase: 10 barriers a layer where there were 13. No extra threads:
+//     whatever OpenMP's wait policy, nothing else competes for the cores.
 //
 // weights: 10 per layer, in this order (None where a layer has no bias):
 //   input_layernorm.weight, qkv_proj, qkv_proj.bias, o_proj, o_proj.bias,
@@ -33,10 +37,8 @@
 
 #include <algorithm>
 #include <atomic>
-#include <exception>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <thread>
 #include <tuple>
 #include <vector>
@@ -53,6 +55,7 @@
 #include "attention_plan.h"
 #include "gemv.h"
 #include "quant.h"
+#include "rows.h"
 
 namespace minisgl {
 namespace {
@@ -143,7 +146,9 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_cpu(
   TORCH_CHECK(n >= 1 && n <= kMaxRows, fn, ": between 1 and ", kMaxRows, " rows, got ", n);
   const int nt = static_cast<int>(std::max(1, at::get_num_threads()));
 
-  // Everything that can fail is checked here, before the region (an exception must not cross it).
+  // Everything that can fail is checked here, before the region (an exception must not cross it, and nothing in it
+  // throws).
+  auto bits = [](const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); };
   std::vector<at::Tensor> biases;  // fp32 copies, alive until the end of the step
   auto norm_weight = [&](const c10::optional<at::Tensor>& w, const char* what, size_t l) -> const at::Tensor& {
     TORCH_CHECK(w.has_value() && w->defined() && w->device().is_cpu() && w->scalar_type() == at::kBFloat16 &&
@@ -242,6 +247,19 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_cpu(
                 fn, ": every layer's caches must be bfloat16 [slots, ", Hkv, ", ", D, "] like layer 0's, got ",
                 k_caches[l].sizes());
   }
+  TORCH_CHECK(x_in.stride(1) == 1, fn, ": x must be contiguous in its last dimension");
+  for (const auto* t : {&cos, &sin})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kBFloat16 && t->dim() == 2 && t->size(1) == D &&
+                    t->is_contiguous() && t->size(0) == cos.size(0),
+                fn, ": cos and sin must be contiguous bfloat16 CPU tables [max_pos, ", D, "], got ", t->sizes());
+  std::vector<KvSlots> kv_slots(L);
+  for (size_t l = 0; l < L; ++l) {
+    const at::Tensor &kc = k_caches[l], &vc = v_caches[l];
+    TORCH_CHECK(vc.sizes() == kc.sizes() && vc.scalar_type() == kc.scalar_type() && kc.stride(2) == 1 &&
+                    vc.stride(2) == 1 && kc.device().is_cpu() && vc.device().is_cpu(),
+                fn, ": layer ", l, "'s caches must be CPU tensors alike, contiguous in head_dim");
+    kv_slots[l] = {bits(kc), bits(vc), kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1)};
+  }
   const auto pos = positions.to(at::kLong).contiguous(), loc = out_loc.to(at::kLong).contiguous();
   TORCH_CHECK(pos.dim() == 1 && pos.size(0) == n && loc.dim() == 1 && loc.size(0) == n, fn,
               ": positions and out_loc must have one entry per row");
@@ -284,10 +302,14 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_cpu(
   auto xo = at::empty({n, H}, x_in.options());              // o_proj out, then normed: gate_up_proj's input
   auto gu = at::empty({n, I2}, x_in.options());
   auto h = at::empty({n, I2 / 2}, x_in.options());          // silu(gate) * up
+  // The row phases below call rows.h's kernels on raw pointers: at::Tensor views of a row cost more than the row.
+  uint16_t *xp = bits(x), *rp = bits(residual), *xop = bits(xo), *gup = bits(gu), *hp = bits(h), *qkvp = bits(qkv);
+  const int64_t xs = x.stride(0), rs = residual.stride(0), xos = xo.stride(0), gus = gu.stride(0), hs = h.stride(0),
+                qs = qkv.stride(0);
+  const int64_t *pp = pos.data_ptr<int64_t>(), *lp = loc.data_ptr<int64_t>();
+  const uint16_t *cosp = bits(cos), *sinp = bits(sin);
+  const float epsf = static_cast<float>(eps);
   SpinBarrier barrier;
-  std::exception_ptr error;
-  std::mutex error_mu;
-  std::atomic<bool> failed{false};
   std::atomic<int> leaving{0};
   std::atomic<int64_t> next_task{0};
   std::atomic<int64_t> next_part{0};
@@ -296,14 +318,22 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_cpu(
   {
     const int tid = omp_get_thread_num(), team = omp_get_num_threads();
     int64_t part_base = 0;  // this thread's count of next_part at the start of the current matmul
-    // A quantized matmul's activations, rows split over the threads (all on thread 0 for a small batch).
-    auto prepare = [&](const LinearPlan& p, const at::Tensor& in) {
-      const int64_t per = n <= kSerialRows ? n : (n + team - 1) / team;
-      const int64_t r0 = n <= kSerialRows ? (tid == 0 ? 0 : n) : std::min<int64_t>(n, tid * per);
-      const int64_t r1 = std::min<int64_t>(n, r0 + per);
-      if (r0 < r1) p.prepare_rows(in, r0, r1);
+    // This thread's rows for the row-wise kernels: all on thread 0 for a small batch, else an even split. Every
+    // row phase splits alike, so a phase may quantize for the next matmul the rows it has just written.
+    const int64_t per = n <= kSerialRows ? n : (n + team - 1) / team;
+    const int64_t r0 = n <= kSerialRows ? (tid == 0 ? 0 : n) : std::min<int64_t>(n, tid * per);
+    const int64_t rc = std::max<int64_t>(0, std::min<int64_t>(n, r0 + per) - r0);
+    std::vector<float> buf(H);  // a norm row's scratch
+    // f() on this thread's rows, then, before the next matmul when it is quantized, those rows of its input
+    // quantized; then the barrier (one phase and one barrier where the two were separate).
+    auto rows_then = [&](auto&& f, const LinearPlan* next, const at::Tensor* in) {
+      if (rc > 0) {
+        f();
+        if (next != nullptr && next->quant) next->prepare_rows(*in, r0, r0 + rc);
+      }
       barrier.wait(team);
     };
+    auto no_rows = [] {};
     // Runs the parts of a matmul, first come first served, so that a thread the machine slows down takes fewer
     // of them. Every thread's last fetch_add overshoots by one, so the counter ends each matmul at
     // part_base + parts + team, which every thread knows without reading it.
@@ -312,28 +342,9 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_cpu(
       for (int64_t t; (t = next_part.fetch_add(1, std::memory_order_relaxed)) < end;) p.run(t - part_base, in, out, yf);
       part_base = end + team;
     };
-    auto matmul = [&](const LinearPlan& p, const at::Tensor& in, const at::Tensor& out,
-                      YFormat yf = YFormat::bf16) {
-      if (p.quant) prepare(p, in);
-      take_parts(p, in, out, yf);
+    auto matmul = [&](const LinearPlan& p, const at::Tensor& in, const at::Tensor& out) {
+      take_parts(p, in, out, YFormat::bf16);
       barrier.wait(team);
-    };
-    // f(r0, r1) for this thread's rows (all rows on thread 0 for a small batch); true when the step failed.
-    auto by_rows = [&](auto&& f) {
-      const int64_t per = n <= kSerialRows ? n : (n + team - 1) / team;
-      const int64_t r0 = n <= kSerialRows ? (tid == 0 ? 0 : n) : std::min<int64_t>(n, tid * per);
-      const int64_t r1 = std::min<int64_t>(n, r0 + per);
-      if (r0 < r1) {
-        try {
-          f(r0, r1 - r0);
-        } catch (...) {
-          std::lock_guard<std::mutex> lk(error_mu);
-          if (!error) error = std::current_exception();
-          failed.store(true, std::memory_order_relaxed);
-        }
-      }
-      barrier.wait(team);
-      return failed.load(std::memory_order_relaxed);
     };
     auto attention = [&](DecodeAttentionPlan& plan) {
       take_tasks(next_task, plan.num_tasks(), plan.task_group(), [&](int64_t t) { plan.run_task(t, tid); });
@@ -343,48 +354,32 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_cpu(
         barrier.wait(team);
       }
     };
+    auto add_norm = [&](uint16_t* y, int64_t ys, const at::Tensor& w) {  // y = norm(residual += y), in place
+      norm_bf16_rows(y + r0 * ys, ys, rp + r0 * rs, rs, bits(w), y + r0 * ys, ys, rc, H, epsf, buf.data());
+    };
     for (size_t l = 0; l < L; ++l) {
       const Layer& ly = layers[l];
       DecodeAttentionPlan& plan = *attn[sliding_windows[l]];
-      if (l > 0 && by_rows([&](int64_t r, int64_t c) {
-            at::Tensor xs = x.narrow(0, r, c), rs = residual.narrow(0, r, c);
-            fused_add_rms_norm_cpu(xs, rs, *ly.ln1, eps);
-          }))
-        break;
+      if (l == 0) rows_then(no_rows, &ly.qkv, &x);   // x was normed before the region
+      else rows_then([&] { add_norm(xp, xs, *ly.ln1); }, &ly.qkv, &x);
       matmul(ly.qkv, x, qkv);
-      if (by_rows([&](int64_t r, int64_t c) {
-            at::Tensor kc = k_caches[l], vc = v_caches[l], part = qkv.narrow(0, r, c);
-            rope_store_kv_cpu(part, pos.narrow(0, r, c), cos, sin, kc, vc, loc.narrow(0, r, c), Hq, Hkv);
-            if (r == 0) {  // one thread readies the attention of this layer
-              plan.bind(kc, vc);
-              next_task.store(0, std::memory_order_relaxed);
-            }
-          }))
-        break;
+      if (tid == 0) {  // thread 0 (which holds row 0) readies the attention of this layer
+        plan.bind(k_caches[l], v_caches[l]);
+        next_task.store(0, std::memory_order_relaxed);
+      }
+      rows_then([&] { rope_store_kv_bf16_rows(qkvp + r0 * qs, qs, pp + r0, lp + r0, cosp, sinp, kv_slots[l], rc, Hq, Hkv, D); },
+                nullptr, nullptr);
       attention(plan);
+      if (ly.o.quant) rows_then(no_rows, &ly.o, &o);
       matmul(ly.o, o, xo);
-      if (by_rows([&](int64_t r, int64_t c) {
-            at::Tensor xs = xo.narrow(0, r, c), rs = residual.narrow(0, r, c);
-            fused_add_rms_norm_cpu(xs, rs, *ly.ln2, eps);
-          }))
-        break;
+      rows_then([&] { add_norm(xop, xos, *ly.ln2); }, &ly.gate_up, &xo);
       matmul(ly.gate_up, xo, gu);
-      if (by_rows([&](int64_t r, int64_t c) {
-            at::Tensor hs = h.narrow(0, r, c);
-            silu_mul_out_cpu(gu.narrow(0, r, c), hs);
-          }))
-        break;
+      rows_then([&] { silu_mul_bf16_rows(gup + r0 * gus, gus, hp + r0 * hs, hs, rc, I2 / 2); }, &ly.down, &h);
       matmul(ly.down, h, x);
     }
-    if (has_head && !failed.load(std::memory_order_relaxed)) {
-      if (!by_rows([&](int64_t r, int64_t c) {
-            at::Tensor xs = x.narrow(0, r, c), rs = residual.narrow(0, r, c);
-            fused_add_rms_norm_cpu(xs, rs, *final_norm, eps);
-          }))
-      {
-        if (head_plan.quant) prepare(head_plan, x);
-        take_parts(head_plan, x, logits, YFormat::f32_bf16_rounded);
-      }
+    if (has_head) {
+      rows_then([&] { add_norm(xp, xs, *final_norm); }, &head_plan, &x);
+      take_parts(head_plan, x, logits, YFormat::f32_bf16_rounded);
     }
     release_amx();  // where a matmul or the attention ran on AMX
     // Thread 0 reaches the region's closing barrier last: with OMP_WAIT_POLICY=PASSIVE a thread that waits
@@ -395,7 +390,6 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_cpu(
       while (leaving.load(std::memory_order_acquire) < team - 1) MINISGL_RELAX();
     }
   }
-  if (error) std::rethrow_exception(error);
   return {has_head ? logits : x, residual};
 }
 

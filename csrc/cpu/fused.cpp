@@ -22,6 +22,7 @@
 
 #include "../ops.h"
 #include "isa.h"
+#include "rows.h"
 #include "vec.h"
 
 namespace minisgl {
@@ -104,19 +105,27 @@ inline void norm_bf16_row(const uint16_t* x, uint16_t* res, const uint16_t* __re
 
 using NormRow = cpu::RowKernel<norm_bf16_row>;  // compiled per ISA (isa.h; MINISGL_CPU_ISA caps all)
 
+}  // namespace
+
+void cpu::norm_bf16_rows(const uint16_t* x, int64_t xs, uint16_t* res, int64_t rs, const uint16_t* w, uint16_t* out,
+                         int64_t os, int64_t rows, int64_t n, float eps, float* buf) {
+  const auto row = NormRow::pick();
+  for (int64_t i = 0; i < rows; ++i) row(x + i * xs, res ? res + i * rs : nullptr, w, out + i * os, buf, n, eps);
+}
+
+namespace {
+
 // The bf16 rows of rms_norm (res null, out a new tensor) and fused_add_rms_norm_ (out = x).
 void norm_bf16_rows(const at::Tensor& x, at::Tensor* residual, const at::Tensor& weight, at::Tensor& out, double eps) {
-  const int64_t rows = x.size(0), n = x.size(1), xs = x.stride(0), os = out.stride(0);
-  const int64_t rs = residual ? residual->stride(0) : 0;
+  const int64_t n = x.size(1), xs = x.stride(0), os = out.stride(0), rs = residual ? residual->stride(0) : 0;
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   uint16_t* rp = residual ? reinterpret_cast<uint16_t*>(residual->data_ptr()) : nullptr;
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr());
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-  const auto row = NormRow::pick();
-  for_rows(rows, [&](int64_t r0, int64_t r1) {
+  for_rows(x.size(0), [&](int64_t r0, int64_t r1) {
     std::vector<float> buf(n);
-    for (int64_t i = r0; i < r1; ++i)
-      row(xp + i * xs, rp ? rp + i * rs : nullptr, wp, op + i * os, buf.data(), n, static_cast<float>(eps));
+    cpu::norm_bf16_rows(xp + r0 * xs, xs, rp ? rp + r0 * rs : nullptr, rs, wp, op + r0 * os, os, r1 - r0, n,
+                        static_cast<float>(eps), buf.data());
   });
 }
 
@@ -209,6 +218,11 @@ using SiluRow = cpu::RowKernel<silu_mul_bf16_row>;
 
 std::string silu_isa() { return SiluRow::picked(); }
 
+void cpu::silu_mul_bf16_rows(const uint16_t* gate_up, int64_t gs, uint16_t* out, int64_t os, int64_t rows, int64_t n) {
+  const auto row = SiluRow::pick();
+  for (int64_t i = 0; i < rows; ++i) row(gate_up + i * gs, gate_up + i * gs + n, out + i * os, n);
+}
+
 void silu_mul_out_cpu(const at::Tensor& gate_up, at::Tensor& out) {
   check_rows(gate_up, "silu_mul", "gate_up");
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "silu_mul: gate_up must have an even last dimension, got ", gate_up.sizes());
@@ -220,10 +234,7 @@ void silu_mul_out_cpu(const at::Tensor& gate_up, at::Tensor& out) {
   if (gate_up.scalar_type() == at::kBFloat16) {
     const uint16_t* gp = reinterpret_cast<const uint16_t*>(gate_up.data_ptr());
     uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-    const auto row = SiluRow::pick();
-    for_rows(rows, [&](int64_t r0, int64_t r1) {
-      for (int64_t i = r0; i < r1; ++i) row(gp + i * gs, gp + i * gs + n, op + i * os, n);
-    });
+    for_rows(rows, [&](int64_t r0, int64_t r1) { cpu::silu_mul_bf16_rows(gp + r0 * gs, gs, op + r0 * os, os, r1 - r0, n); });
     return;
   }
   AT_DISPATCH_FLOATING_TYPES_AND(at::kHalf, gate_up.scalar_type(), "silu_mul", [&] {  // bf16 took the path above
@@ -277,6 +288,20 @@ using RopeRow = cpu::RowKernel<rope_bf16_heads>;
 
 }  // namespace
 
+void cpu::rope_store_kv_bf16_rows(uint16_t* qkv, int64_t qs, const int64_t* pos, const int64_t* loc,
+                                  const uint16_t* cos, const uint16_t* sin, const KvSlots& kv, int64_t rows,
+                                  int64_t Hq, int64_t Hkv, int64_t D) {
+  const auto rope = RopeRow::pick();
+  for (int64_t i = 0; i < rows; ++i) {
+    uint16_t* row = qkv + i * qs;
+    rope(row, cos + pos[i] * D, sin + pos[i] * D, Hq + Hkv, D);
+    for (int64_t h = 0; h < Hkv; ++h) {
+      std::memcpy(kv.k + loc[i] * kv.k_s0 + h * kv.k_s1, row + (Hq + h) * D, 2 * D);
+      std::memcpy(kv.v + loc[i] * kv.v_s0 + h * kv.v_s1, row + (Hq + Hkv + h) * D, 2 * D);
+    }
+  }
+}
+
 void rope_store_kv_cpu(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
                        at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& out_loc, int64_t num_q_heads,
                        int64_t num_kv_heads) {
@@ -321,18 +346,10 @@ void rope_store_kv_cpu(at::Tensor& qkv, const at::Tensor& positions, const at::T
     uint16_t* base = reinterpret_cast<uint16_t*>(qkv.data_ptr());
     const uint16_t* cp = reinterpret_cast<const uint16_t*>(cos.data_ptr());
     const uint16_t* sp = reinterpret_cast<const uint16_t*>(sin.data_ptr());
-    uint16_t* kc = reinterpret_cast<uint16_t*>(k_cache.data_ptr());
-    uint16_t* vc = reinterpret_cast<uint16_t*>(v_cache.data_ptr());
-    const auto rope = RopeRow::pick();
+    const cpu::KvSlots kv{reinterpret_cast<uint16_t*>(k_cache.data_ptr()), reinterpret_cast<uint16_t*>(v_cache.data_ptr()),
+                          ks0, ks1, vs0, vs1};
     for_rows(N, [&](int64_t r0, int64_t r1) {
-      for (int64_t i = r0; i < r1; ++i) {
-        uint16_t* row = base + i * qs;
-        rope(row, cp + pp[i] * D, sp + pp[i] * D, Hq + Hkv, D);
-        for (int64_t h = 0; h < Hkv; ++h) {
-          std::memcpy(kc + lp[i] * ks0 + h * ks1, row + (Hq + h) * D, 2 * D);
-          std::memcpy(vc + lp[i] * vs0 + h * vs1, row + (Hq + Hkv + h) * D, 2 * D);
-        }
-      }
+      cpu::rope_store_kv_bf16_rows(base + r0 * qs, qs, pp + r0, lp + r0, cp, sp, kv, r1 - r0, Hq, Hkv, D);
     });
     return;
   }
