@@ -32,10 +32,10 @@ logger = logging.getLogger('minisgl.linear')
 # %% auto #0
 __all__ = ['logger', 'GEMV_MAX_ROWS', 'KERNELS', 'LAYOUT', 'ROW_BUCKETS', 'GEMV_PLAN_MAX_ROWS', 'PLAN_FORMAT', 'NATIVE_KERNELS',
            'linear_ref', 'gemv_available', 'linear', 'amx_available', 'onednn_bf16_available', 'kernel_runs',
-           'pack_weight', 'run_linear', 'cpu_signature', 'measure_linear', 'LinearSpec', 'measure_step',
-           'suspect_timings', 'choose_kernels', 'KernelPlan', 'measure_plan', 'forced_plan', 'plan_cache_dir',
-           'plan_cache_file', 'save_json', 'kernel_plan', 'PackedLinear', 'can_pack_linears', 'linear_specs',
-           'pack_linears', 'module_tensors', 'to_huge_pages']
+           'pack_weight', 'run_linear', 'wrong_outputs', 'answers_right', 'cpu_signature', 'measure_linear',
+           'LinearSpec', 'measure_step', 'suspect_timings', 'choose_kernels', 'KernelPlan', 'measure_plan',
+           'forced_plan', 'plan_cache_dir', 'plan_cache_file', 'save_json', 'kernel_plan', 'PackedLinear',
+           'can_pack_linears', 'linear_specs', 'pack_linears', 'module_tensors', 'to_huge_pages']
 
 # %% ../nbs/04c_linear.ipynb #b05d00f6
 def linear_ref(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -133,8 +133,29 @@ def run_linear(kernel: str, x: Tensor, w: Tensor, out_features: int, bias: Tenso
     if kernel == 'torch': return F.linear(x, w, bias)
     raise ValueError(f'kernel must be one of {KERNELS}, got {kernel!r}')
 
+# %% ../nbs/04c_linear.ipynb #db73a51b
+_WRONG_RMS = 2 ** -6   # an output may be off by this much of its row's RMS, besides bf16's rounding of itself
+
+
+def wrong_outputs(y: Tensor, ref: Tensor) -> str | None:
+    "Where a kernel's output `y` [m, n] is off the fp32 product `ref` by more than a bf16 ulp of it plus `_WRONG_RMS` of its row's RMS, in words; None if nowhere."
+    if y.shape != ref.shape: return f'shape {tuple(y.shape)}, not {tuple(ref.shape)}'
+    ref = ref.float()
+    slack = 2 ** -7 * ref.abs() + _WRONG_RMS * ref.pow(2).mean(1, keepdim=True).sqrt()
+    bad = ~((y.float() - ref).abs() <= slack)          # a NaN is bad too
+    if not bad.any(): return None
+    i, j = bad.nonzero()[0].tolist()
+    return f'{int(bad.sum())} of {bad.numel()} outputs, e.g. [{i}, {j}] = {y[i, j].item():.4g} for {ref[i, j].item():.4g}'
+
+
+def answers_right(kernel: str, y: Tensor, ref: Tensor, what: str) -> bool:
+    "Whether `kernel`'s answer `y` for `what` matches `ref` (`wrong_outputs`); if not, a warning says that the plan leaves it out."
+    why = wrong_outputs(y, ref)
+    if why: logger.warning('kernel plan: %s computes %s wrong on this machine (%s); it is left out of the plan', kernel, what, why)
+    return why is None
+
 # %% ../nbs/04c_linear.ipynb #84e7cdd2
-PLAN_FORMAT = 6   # bumped when the plan file's layout or the way it is measured changes
+PLAN_FORMAT = 7   # bumped when the plan file's layout or the way it is measured changes (7: answers checked)
 
 def _cpu_model_and_flags() -> tuple[str, list[str]]:
     model, flags = platform.processor() or platform.machine(), []
@@ -186,10 +207,11 @@ def _uneven(m: int) -> int:
 
 
 def measure_linear(out_features: int, in_features: int, rows: list[int], copies: int = 1, reps: int = 5,
-                   kernels: list[str] | None = None) -> dict[str, dict[int, float]]:
-    "Median seconds per call of every candidate that runs here (or of `kernels`), `kernel -> rows -> s`, for a bf16 weight [out, in], bias-free."
+                   kernels: list[str] | None = None, wrong: set[str] | None = None) -> dict[str, dict[int, float]]:
+    "Median seconds per call of every candidate that runs here (or of `kernels`), `kernel -> rows -> s`, for a bf16 weight [out, in], bias-free; those that answer wrong join `wrong` and are not timed."
     n, k = out_features, in_features
-    kernels = [kern for kern in (kernels or KERNELS) if kernel_runs(kern, 1, k)]
+    wrong = set() if wrong is None else wrong
+    kernels = [kern for kern in (kernels or KERNELS) if kernel_runs(kern, 1, k) and kern not in wrong]
     copies = max(1, min(copies, -(-_COLD_BYTES // (n * k * 2))))
     gen = torch.Generator().manual_seed(n * 7919 + k)
     ws = [(torch.randn(n, k, generator=gen) * k ** -0.5).to(torch.bfloat16) for _ in range(copies)]
@@ -202,18 +224,21 @@ def measure_linear(out_features: int, in_features: int, rows: list[int], copies:
         here = [kern for kern in kernels if kernel_runs(kern, m, k)]
         sizes = [m] + ([_uneven(m)] if m >= _UNEVEN_FROM and _uneven(m) != m else [])
         xs = [torch.randn(r, k, generator=gen).to(torch.bfloat16) for r in sizes]
+        refs = [x.float() @ ws[use - 1].float().T for x in xs]   # what the last call of a round must give
         samples = {kern: [] for kern in here}
         for rep in range(reps + 1):           # the first round warms up (page faults, oneDNN's kernel cache)
             for kern in here:
                 wl, secs = packed[kern], 0.0
-                for x in xs:                  # per row, scaled to m rows: an average over the bucket
+                for x, ref in zip(xs, refs):  # per row, scaled to m rows: an average over the bucket
                     t0 = time.perf_counter()
-                    for w in wl[:use]: run_linear(kern, x, w, n)
+                    for w in wl[:use]: y = run_linear(kern, x, w, n)
                     secs += (time.perf_counter() - t0) / use * m / x.shape[0] / len(xs)
+                    if not rep and not answers_right(kern, y, ref, f'{n} x {k} at {x.shape[0]} rows'): wrong.add(kern)
                 if rep: samples[kern].append(secs)
+            here = [kern for kern in here if kern not in wrong]
         for kern in here: times[kern][m] = statistics.median(samples[kern])
-        kernels = _prune(kernels, times, m, k, rows[-1])
-    return {kern: t for kern, t in times.items() if t}
+        kernels = [kern for kern in _prune(kernels, times, m, k, rows[-1]) if kern not in wrong]
+    return {kern: t for kern, t in times.items() if t and kern not in wrong}
 
 # %% ../nbs/04c_linear.ipynb #ccef246c
 @dataclass(frozen=True)
@@ -233,15 +258,16 @@ _STEP_MAX_ROWS = 64          # buckets up to here are timed inside passes over a
 _STEP_BYTES = 512 << 20      # ... at most this much of them per weight layout (every shape's count scaled alike)
 
 
-def measure_step(specs: dict[tuple[int, int], LinearSpec], rows: list[int],
-                 reps: int = 5) -> dict[tuple[int, int], dict[str, dict[int, float]]]:
-    "Median seconds per call, `shape -> kernel -> rows -> s`, timed inside passes of one kernel over every shape's weights, `count` copies each."
+def measure_step(specs: dict[tuple[int, int], LinearSpec], rows: list[int], reps: int = 5,
+                 wrong: dict[tuple[int, int], set[str]] | None = None) -> dict[tuple[int, int], dict[str, dict[int, float]]]:
+    "Median seconds per call, `shape -> kernel -> rows -> s`, timed inside passes of one kernel over every shape's weights, `count` copies each; a kernel that answers wrong joins `wrong[shape]` and is not timed for it."
     scale = min(1.0, _STEP_BYTES / max(1, sum(2 * n * k * spec.count for (n, k), spec in specs.items())))
     gen = torch.Generator().manual_seed(0)
-    kernels, weights = {}, {}
+    kernels, weights, plain, wrong = {}, {}, {}, {} if wrong is None else wrong
     for (n, k), spec in specs.items():
-        kernels[n, k] = [kern for kern in KERNELS if kernel_runs(kern, 1, k)]
-        w = (torch.randn(n, k, generator=gen) * k ** -0.5).to(torch.bfloat16)
+        wrong.setdefault((n, k), set())
+        kernels[n, k] = [kern for kern in KERNELS if kernel_runs(kern, 1, k) and kern not in wrong[n, k]]
+        w = plain[n, k] = (torch.randn(n, k, generator=gen) * k ** -0.5).to(torch.bfloat16)
         copies = max(1, round(spec.count * scale))   # the same values in distinct memory: where they are is what counts
         weights[n, k] = {lay: [pack_weight(lay, w.clone()) for _ in range(copies)]
                          for lay in {LAYOUT[kern] for kern in kernels[n, k]}}
@@ -249,18 +275,23 @@ def measure_step(specs: dict[tuple[int, int], LinearSpec], rows: list[int],
     for m in rows:
         shapes = [s for s, spec in specs.items() if m in _buckets_up_to(spec.max_rows)]
         xs = {s: torch.randn(m, s[1], generator=gen).to(torch.bfloat16) for s in shapes}
+        refs = {s: xs[s].float() @ plain[s].float().T for s in shapes}
         samples = {(s, kern): [] for s in shapes for kern in kernels[s] if kernel_runs(kern, m, s[1])}
-        for rep in range(reps + 1):                  # the first pass warms up
+        for rep in range(reps + 1):                  # the first pass warms up, and its answers are checked
             for kern in KERNELS:                     # a pass: one kernel through every shape in turn
                 for s in shapes:
                     if (s, kern) not in samples: continue
                     wl = weights[s][LAYOUT[kern]]
                     t0 = time.perf_counter()
-                    for w in wl: run_linear(kern, xs[s], w, s[0])
+                    for w in wl: y = run_linear(kern, xs[s], w, s[0])
                     if rep: samples[s, kern].append((time.perf_counter() - t0) / len(wl))
+                    elif not answers_right(kern, y, refs[s], f'{s[0]} x {s[1]} at {m} rows'):
+                        del samples[s, kern]; wrong[s].add(kern)
         for (s, kern), v in samples.items(): times[s][kern][m] = statistics.median(v)
-        for s in shapes: kernels[s] = _prune(kernels[s], times[s], m, s[1], _buckets_up_to(specs[s].max_rows)[-1])
-    return {s: {kern: t for kern, t in ts.items() if t} for s, ts in times.items()}
+        for s in shapes:
+            kernels[s] = [kern for kern in _prune(kernels[s], times[s], m, s[1], _buckets_up_to(specs[s].max_rows)[-1])
+                          if kern not in wrong[s]]
+    return {s: {kern: t for kern, t in ts.items() if t and kern not in wrong[s]} for s, ts in times.items()}
 
 # %% ../nbs/04c_linear.ipynb #cc829912
 _JUMP = 2.0     # a kernel's time that falls this much as its rows grow, or grows this much faster than its rows, is suspect
@@ -290,7 +321,7 @@ def _points(bad: dict) -> str:
     return f"{sum(map(len, bad.values()))} ({'; '.join(f'{_shape_key(s)} {k}@{m}' for s, b in bad.items() for k, m in sorted(b))})"
 
 
-def _retime_suspects(specs: dict[tuple[int, int], LinearSpec], times: dict, reps: int) -> None:
+def _retime_suspects(specs: dict[tuple[int, int], LinearSpec], times: dict, reps: int, wrong: dict) -> None:
     "Time the `suspect_timings` of every shape again, up to `_RETIMES` rounds, keeping the faster reading; warn of those left."
     for round_ in range(_RETIMES + 1):
         bad = {s: b for s in specs if (b := suspect_timings(times[s]))}
@@ -298,11 +329,11 @@ def _retime_suspects(specs: dict[tuple[int, int], LinearSpec], times: dict, reps
         if round_ == _RETIMES: break
         logger.info('kernel plan: timing again the points that look disturbed: %s', _points(bad))
         step = sorted({m for b in bad.values() for _, m in b if m <= _STEP_MAX_ROWS})
-        for s, t in (measure_step(specs, step, reps) if step else {}).items(): _keep_faster(times[s], t)
+        for s, t in (measure_step(specs, step, reps, wrong) if step else {}).items(): _keep_faster(times[s], t)
         for s, b in bad.items():
             big = [(k, m) for k, m in b if m > _STEP_MAX_ROWS]
             if not big: continue
-            new = measure_linear(*s, sorted({m for _, m in big}), specs[s].count, reps, sorted({k for k, _ in big}))
+            new = measure_linear(*s, sorted({m for _, m in big}), specs[s].count, reps, sorted({k for k, _ in big}), wrong[s])
             _keep_faster(times[s], {k: {m: t for m, t in ts.items() if (k, m) in big} for k, ts in new.items()})
     logger.warning('kernel plan: timings still look disturbed after timing them again (was the machine busy?): %s; '
                    '`minisgl tune` measures the plan anew', _points(bad))
@@ -370,15 +401,16 @@ def table(self: KernelPlan) -> str:
 # %% ../nbs/04c_linear.ipynb #ec377408
 def measure_plan(specs: dict[tuple[int, int], LinearSpec], max_layouts: int = 2, reps: int = 5) -> KernelPlan:
     "Time every candidate for every shape in `specs` (a whole step up to `_STEP_MAX_ROWS` rows, one shape at a time past it) and keep the fastest per bucket (see `choose_kernels`)."
-    t0 = time.perf_counter()
-    times = measure_step(specs, [m for m in ROW_BUCKETS if m <= _STEP_MAX_ROWS], reps)
+    t0, wrong = time.perf_counter(), {s: set() for s in specs}   # per shape: the kernels that answered wrong
+    times = measure_step(specs, [m for m in ROW_BUCKETS if m <= _STEP_MAX_ROWS], reps, wrong)
     for shape, spec in specs.items():
         buckets = _buckets_up_to(spec.max_rows)
         more, last = [m for m in buckets if m > _STEP_MAX_ROWS], max(m for m in buckets if m <= _STEP_MAX_ROWS)
         alive = [kern for kern, t in times[shape].items() if last in t]   # not dropped as hopeless in the step
-        for kern, t in (measure_linear(*shape, more, spec.count, reps, alive) if more else {}).items():
+        for kern, t in (measure_linear(*shape, more, spec.count, reps, alive, wrong[shape]) if more else {}).items():
             times[shape].setdefault(kern, {}).update(t)
-    _retime_suspects(specs, times, reps)
+    _retime_suspects(specs, times, reps, wrong)
+    times = {s: {kern: t for kern, t in ts.items() if kern not in wrong[s]} for s, ts in times.items()}   # wrong once: out
     choices = {s: choose_kernels(times[s], max_layouts, specs[s].free) for s in specs}
     return KernelPlan(choices, times, 'measured', time.perf_counter() - t0)
 

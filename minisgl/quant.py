@@ -22,15 +22,15 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .kernels import native
-from .linear import (ROW_BUCKETS, KernelPlan, LinearSpec, _buckets_up_to, _read_plan, _write_plan,
+from .linear import (ROW_BUCKETS, KernelPlan, LinearSpec, _buckets_up_to, _read_plan, _write_plan, answers_right,
                             choose_kernels, cpu_signature, plan_cache_dir)
 
 logger = logging.getLogger('minisgl.quant')
 
 # %% auto #0
 __all__ = ['logger', 'QUANT_FORMATS', 'FORMAT_BY_TYPE', 'QUANT_KERNELS', 'QuantFormat', 'quant_available', 'q8dot_isa', 'repack',
-           'random_gguf_rows', 'quantize_int8', 'quant_error_bound', 'quant_kernel_runs', 'QuantLinear',
-           'QuantEmbedding', 'quant_specs', 'measure_quant_linear', 'quant_plan']
+           'random_gguf_rows', 'quantize_int8', 'quant_error_bound', 'q8_activations', 'quant_kernel_runs',
+           'QuantLinear', 'QuantEmbedding', 'quant_specs', 'measure_quant_linear', 'quant_plan']
 
 # %% ../nbs/04d_quant.ipynb #b6ef509b
 @dataclass(frozen=True)
@@ -140,6 +140,14 @@ def quant_error_bound(x: Tensor, w: Tensor) -> Tensor:
     half_step = x.float().view(m, k // 32, 32).abs().amax(-1, keepdim=True) / 254      # dx / 2
     return half_step.expand(m, k // 32, 32).reshape(m, k).double() @ w.abs().double().T
 
+# %% ../nbs/04d_quant.ipynb #d4c08ca9
+def q8_activations(x: Tensor) -> Tensor:
+    "`x` [m, k] as the int8 kernel multiplies it: quantized per block of 32 (`d = max|x| / 127`, `x * (1 / d)` rounded to nearest even), in fp32."
+    m, k = x.shape
+    xb = x.float().view(m, k // 32, 32)
+    d = xb.abs().amax(-1, keepdim=True) / 127
+    return (torch.round(xb * torch.where(d > 0, 1 / d, 0.0)) * d).view(m, k)
+
 # %% ../nbs/04d_quant.ipynb #2766f517
 QUANT_KERNELS = ('q8dot', 'qamx', 'dequant')
 
@@ -182,6 +190,15 @@ class QuantLinear(nn.Module):
     def dequantized(self, dtype: torch.dtype = torch.float32) -> Tensor:
         "The whole weight [out, in] in `dtype`, dequantized exactly (then rounded to `dtype`)."
         return torch.cat([native().quant_dequantize(w, t, self.in_features) for w, t in zip(self.parts, self.qtypes)]).to(dtype)
+
+    def expected(self, kernel: str, x2: Tensor, weight: Tensor | None = None) -> Tensor:
+        "What `kernel` computes for `x2`, in fp32 (`weight`: `dequantized()` if at hand): q8dot's activations as it quantizes them, qamx's weight rounded to bf16, dequant's weight and bias to `x2`'s dtype."
+        w = self.dequantized() if weight is None else weight
+        x, b = x2.float(), None if self.bias is None else self.bias.float()
+        if kernel == 'q8dot' and q8dot_isa(): x = q8_activations(x2)    # the portable path reads x as it is
+        if kernel == 'qamx': w = w.bfloat16().float()
+        if kernel == 'dequant': w, b = w.to(x2.dtype).float(), None if b is None else b.to(x2.dtype).float()
+        return F.linear(x, w, b)
 
     def run(self, kernel: str, x2: Tensor) -> Tensor:
         "`x2` [m, in] through `kernel`: [m, out] in `x2`'s dtype."
@@ -247,19 +264,22 @@ def _linears_by_shape(model: nn.Module) -> dict[tuple[int, int], list[QuantLinea
 
 
 def measure_quant_linear(lins: list[QuantLinear], rows: list[int], dtype: torch.dtype, reps: int = 5) -> dict[str, dict[int, float]]:
-    "Median seconds per call of each kernel, `kernel -> rows -> s`, cycling through `lins` (one shape)."
+    "Median seconds per call of each kernel that answers right (`QuantLinear.expected`), `kernel -> rows -> s`, cycling through `lins` (one shape)."
     n, k = lins[0].out_features, lins[0].in_features
     use = lins[:max(1, min(len(lins), -(-_QUANT_PASS_BYTES // max(1, lins[0].nbytes))))]
     alive = [kern for kern in QUANT_KERNELS if quant_kernel_runs(kern, dtype)]
     times: dict[str, dict[int, float]] = {kern: {} for kern in alive}
     gen = torch.Generator().manual_seed(n * 31 + k)
+    wd, wrong, fmts = use[0].dequantized(), set(), '+'.join(dict.fromkeys(f.name for f in use[0].formats))
     for m in rows:
         if 2 * m * n * k > _QUANT_MAX_CALL_FLOPS and m != rows[0]: break
         x = torch.randn(m, k, generator=gen).to(dtype)
         calls = max(1, min(len(use), int(1e9 // (2 * m * n * k))))
         samples, warm = {kern: [] for kern in alive}, {}
-        for kern in alive:                                # one call warms up and sizes the samples
-            t0 = time.perf_counter(); use[0].run(kern, x); warm[kern] = time.perf_counter() - t0
+        for kern in alive:                                # one call warms up and sizes the samples; its answer is checked
+            t0 = time.perf_counter(); y = use[0].run(kern, x); warm[kern] = time.perf_counter() - t0
+            if not answers_right(kern, y, use[0].expected(kern, x, wd), f'{n} x {k} ({fmts}) at {m} rows'): wrong.add(kern)
+        alive, warm = [kern for kern in alive if kern not in wrong], {kern: s for kern, s in warm.items() if kern not in wrong}
         kern_calls = {kern: max(1, min(calls, math.ceil(_QUANT_SAMPLE_S / s))) for kern, s in warm.items()}
         kern_reps = {kern: 1 if s > _QUANT_TIME_ONCE * min(warm.values()) else reps for kern, s in warm.items()}
         for rep in range(reps):
@@ -271,7 +291,7 @@ def measure_quant_linear(lins: list[QuantLinear], rows: list[int], dtype: torch.
         for kern in alive: times[kern][m] = statistics.median(samples[kern])
         best = min(times[kern][m] for kern in alive)
         if m >= _QUANT_PRUNE_FROM: alive = [kern for kern in alive if times[kern][m] < _QUANT_HOPELESS * best]
-    return {kern: t for kern, t in times.items() if t}
+    return {kern: t for kern, t in times.items() if t and kern not in wrong}
 
 
 def _quant_plan_file(specs, formats: dict, dtype: torch.dtype) -> Path:

@@ -11,7 +11,8 @@ import torch
 
 from minisgl.kernels import native
 from minisgl.linear import _cpu_model_and_flags   # the kernel plan's reading of /proc/cpuinfo
-from minisgl.quant import QUANT_FORMATS, quantize_int8, random_gguf_rows, repack
+from minisgl.linear import wrong_outputs
+from minisgl.quant import FORMAT_BY_TYPE, QUANT_FORMATS, QuantLinear, quantize_int8, random_gguf_rows, repack
 
 CPU = Path(__file__).resolve().parent.parent / "csrc" / "cpu"
 
@@ -36,6 +37,8 @@ def check(ext, w, qtype, x, bias, k):
     y = ext.quant_linear(x, [w], [qtype], bias, 2).double()
     slack = 2 ** -7 * (x.double().abs() @ wd.abs().T + (0 if bias is None else bias.double().abs())) + 1e-6
     assert ((y - ref).abs() <= slack).all(), (qtype, tuple(x.shape), (y - ref).abs().max().item())
+    # and the kernel plan's own check (chapter quant) would keep it: an AMX CPU will not drop a right qamx
+    assert wrong_outputs(y, QuantLinear(k, [(FORMAT_BY_TYPE[qtype], w)], bias).expected("qamx", x)) is None
 
 
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])

@@ -340,6 +340,34 @@ def test_plan_times_the_step_then_the_rest(monkeypatch):
     assert {k for _, k in plan.choices[(48, 32)]} <= set(times) - {"torch"}
 
 
+@pytest.mark.parametrize("wrong_at", [3, 97])
+def test_plan_leaves_out_a_kernel_that_answers_wrong(monkeypatch, caplog, wrong_at):
+    """The warm-up's answers are checked against the fp32 product: a candidate wrong at one count of rows (3: a
+    bucket of the step; 97: the uneven count timed inside the 128 bucket) is left out of that shape's plan at
+    every bucket, with a warning, and is not timed again; the other shape keeps it, and the other candidates stay."""
+    import minisgl.linear as L
+    here = [k for k in KERNELS if kernel_runs(k, 1, 64)]
+    bad = next((k for k in here if k != "torch" and kernel_runs(k, 128, 64)), "torch")   # ours where the extension runs
+    real, calls = L.run_linear, []
+    def fake(kern, x, w, n, *a, **kw):
+        y = real(kern, x, w, n, *a, **kw)
+        calls.append((kern, n, x.shape[0]))
+        if kern == bad and n == 48 and x.shape[0] == wrong_at: y[-1, :8] += 1.0   # 8 outputs of the last row
+        return y
+    monkeypatch.setattr(L, "run_linear", fake)
+    specs = {(48, 64): LinearSpec(2, 128), (32, 64): LinearSpec(1, 128)}
+    with caplog.at_level(logging.WARNING, logger="minisgl.linear"):
+        plan = L.measure_plan(specs, reps=1)
+    assert f"{bad} computes 48 x 64 at {wrong_at} rows wrong on this machine (8 of {wrong_at * 48} outputs" in caplog.text
+    assert bad not in plan.times[(48, 64)] and bad not in {k for _, k in plan.choices[(48, 64)]}
+    assert set(plan.times[(48, 64)]) == set(plan.times[(32, 64)]) - {bad}
+    assert bad in plan.times[(32, 64)]
+    late = [c[2] for c in calls if c[0] == bad and c[1] == 48 and c[2] >= wrong_at]   # only the warm-up of its bucket:
+    assert sorted(set(late)) == sorted({wrong_at, 128 if wrong_at > 64 else wrong_at})   # 128 rows, then 97, 2 copies
+    assert len(late) == 2 * len(set(late))
+    assert caplog.text.count(" wrong on this machine ") == 1
+
+
 def _fake_timers(monkeypatch, spikes):
     """Fake `measure_step` / `measure_linear` for one shape and two kernels: a smooth curve (flat to 64 rows, then
     linear), slowed 10x at the (kernel, rows) points in `spikes` while their count lasts. Records each call."""
@@ -351,10 +379,10 @@ def _fake_timers(monkeypatch, spikes):
             left[kern, m] -= 1
             return 10 * t
         return t
-    def step(specs, rows, reps=5):
+    def step(specs, rows, reps=5, wrong=None):
         calls.append(("step", list(rows), None))
         return {s: {k: {m: curve(k, m) for m in rows} for k in ("tiles", "onednn")} for s in specs}
-    def linear(n, k, rows, copies=1, reps=5, kernels=None):
+    def linear(n, k, rows, copies=1, reps=5, kernels=None, wrong=None):
         calls.append(("linear", list(rows), sorted(kernels)))
         return {kern: {m: curve(kern, m) for m in rows} for kern in kernels}
     monkeypatch.setattr(L, "measure_step", step)

@@ -364,3 +364,41 @@ def test_avx2_body_gives_the_vnni_bodys_bits(tmp_path):
     for name in wide:
         if name == "isa": continue
         for a, b in zip(wide[name], avx2[name]): assert torch.equal(a, b), name
+
+
+def test_quant_plan_checks_each_kernels_answers(tmp_path, monkeypatch, caplog):
+    """A measured quantized plan checks each kernel's warm-up answer against what that kernel is meant to compute
+    (`QuantLinear.expected`): every kernel that runs here passes, for every format, with and without a bias, fp32 and
+    bf16 activations, 1 to 64 rows; `q8dot` made wrong at one bucket of one shape is left out of that shape's plan at
+    every bucket (with a warning) and kept for the others."""
+    import logging
+    import torch.nn as nn
+    import minisgl.quant as Q
+    monkeypatch.setenv("MINISGL_CACHE", str(tmp_path))
+    monkeypatch.setattr(Q, "_QUANT_SAMPLE_S", 1e-4)        # the timings do not matter here, the checks do
+    names = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "I8"]
+    lins = []
+    for i, name in enumerate(names):                          # one shape per format: 16 * (i + 1) x 256
+        fmt, n = Q.QUANT_FORMATS[name], 16 * (i + 1)
+        w = (Q.quantize_int8(torch.randn(n, 256)) if name == "I8"
+             else torch.from_numpy(Q.repack(fmt, Q.random_gguf_rows(fmt, n, 256, seed=i), 256)))
+        lins.append(QuantLinear(256, [(fmt, w)], torch.randn(n) if i % 2 else None))
+    model = nn.Sequential(*lins)
+    specs = {(lin.out_features, 256): Q.LinearSpec(1, 64) for lin in lins}
+    for dtype in (torch.float32, torch.bfloat16):
+        with caplog.at_level(logging.WARNING, logger="minisgl.linear"):
+            plan = Q.quant_plan(model, specs, dtype, "measure")
+        runs = {k for k in Q.QUANT_KERNELS if Q.quant_kernel_runs(k, dtype)}
+        assert all(set(plan.times[s]) == runs for s in specs) and "wrong" not in caplog.text, caplog.text
+    real = QuantLinear.run
+    def q8dot_wrong_at_8(self, kernel, x2):
+        y = real(self, kernel, x2)
+        if kernel == "q8dot" and self.out_features == 48 and x2.shape[0] == 8: y[3, 5] += 100
+        return y
+    monkeypatch.setattr(QuantLinear, "run", q8dot_wrong_at_8)
+    with caplog.at_level(logging.WARNING, logger="minisgl.linear"):
+        plan = Q.quant_plan(model, specs, torch.float32, "measure")
+    assert "q8dot computes 48 x 256 (Q5_0) at 8 rows wrong on this machine (1 of 384 outputs" in caplog.text
+    assert "q8dot" not in plan.times[(48, 256)] and {k for _, k in plan.choices[(48, 256)]} == {"dequant"}
+    assert all("q8dot" in plan.times[s] for s in specs if s != (48, 256))
+    assert lins[2].kernels == ["dequant"] * len(lins[2].kernels)
