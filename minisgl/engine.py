@@ -21,10 +21,11 @@ import torch.nn as nn
 from fastcore.basics import patch
 
 from .core import Batch, ChunkedReq, ForwardOutput, SamplingParams, check, check_choice, check_int, option
-from .kernels import native
+from .kernels import (decode_attention, decode_attention_torch, extend_attention, extend_attention_torch,
+                             make_paged_batch, native)
 from .kvcache import KVPool
 from .linear import (KERNELS, ROW_BUCKETS, KernelPlan, PackedLinear, can_pack_linears, cpu_signature, kernel_plan,
-                            linear_specs, pack_linears, plan_cache_dir, save_json, to_huge_pages)
+                            linear_specs, pack_linears, plan_cache_dir, save_json, to_huge_pages, wrong_outputs)
 from .messages import UserMsg
 from .models import CausalLM, ForwardContext, ModelConfig
 from .scheduler import MIN_PROMPT_CHUNK, ModelRunner, Scheduler, SchedulerConfig
@@ -37,8 +38,8 @@ logger = logging.getLogger('minisgl.engine')
 
 # %% auto #0
 __all__ = ['logger', 'QUANTIZATIONS', 'PLANNED_ROWS', 'SERVE_ITL_TARGET', 'FIXED_LIMITS', 'CHOICE_ROWS', 'EngineConfig',
-           'cpu_has_fast_bf16', 'free_memory', 'Engine', 'model_linear_specs', 'BatchLimits', 'linear_seconds',
-           'fit_limits', 'EngineArgs', 'decode_step_seconds', 'QuantChoice', 'measure_quantization',
+           'cpu_has_fast_bf16', 'free_memory', 'attention_problem', 'Engine', 'model_linear_specs', 'BatchLimits',
+           'linear_seconds', 'fit_limits', 'EngineArgs', 'decode_step_seconds', 'QuantChoice', 'measure_quantization',
            'quantization_choice']
 
 # %% ../nbs/08_engine.ipynb #2a257558
@@ -151,6 +152,20 @@ def free_memory(device: torch.device) -> int:
     except OSError: pass
     return 4 << 30
 
+# %% ../nbs/08_engine.ipynb #b70ecd2d
+def attention_problem(cfg: ModelConfig, dtype: torch.dtype, backend: str | None = None) -> str | None:
+    "What is wrong with `backend`'s decode and extend attention for `cfg`'s heads and a KV cache of `dtype`, against the torch reference in fp32; None if nothing."
+    D = cfg.head_dim
+    for seed, (lens, exts) in enumerate((([1, 300, 17, 64], None), ([140, 5, 90], [140, 5, 33]))):
+        b = make_paged_batch(lens, exts, page=4, Hq=cfg.num_heads, Hkv=cfg.num_kv_heads, D=D, dtype=dtype, seed=seed)
+        exact = {k: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in b.items()}
+        for w in sorted({-1, *cfg.sliding_windows}):
+            if exts is None: got, ref = decode_attention(**b, sliding_window=w, backend=backend), decode_attention_torch(**exact, sliding_window=w)
+            else: got, ref = extend_attention(**b, sliding_window=w, backend=backend), extend_attention_torch(**exact, sliding_window=w)
+            if why := wrong_outputs(got.reshape(-1, D), ref.reshape(-1, D)):
+                return f"{'decode' if exts is None else 'extend'} attention{f' (window {w})' if w > 0 else ''}: {why}"
+    return None
+
 # %% ../nbs/08_engine.ipynb #9e7e0d36
 class Engine:
     "A model, its KV pool and a sampler behind the scheduler's `ModelRunner` interface."
@@ -186,6 +201,11 @@ class Engine:
                               self.dtype, self.device)
         self.kv_caches = [(self.kv_pool.k_cache(i), self.kv_pool.v_cache(i)) for i in range(cfg.num_layers)]
         self.backend = config.attention_backend
+        if self.device.type == 'cpu' and self.backend in (None, 'cpu') and native() is not None:
+            if why := attention_problem(cfg, self.dtype, 'cpu'):   # `attention_problem` above
+                logger.warning('the C++ attention computes wrong on this CPU (%s): serving with the torch reference attention '
+                               'instead (slower; attention_backend="torch"). Please report it with `lscpu`.', why)
+                self.backend = 'torch'
 
 # %% ../nbs/08_engine.ipynb #84b007d0
 @patch

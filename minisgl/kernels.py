@@ -14,8 +14,8 @@ import torch
 from torch import Tensor
 
 # %% auto #0
-__all__ = ['store_kv_torch', 'decode_attention_torch', 'extend_attention_torch', 'native', 'available_backends', 'store_kv',
-           'decode_attention', 'extend_attention']
+__all__ = ['store_kv_torch', 'decode_attention_torch', 'extend_attention_torch', 'make_paged_batch', 'native',
+           'available_backends', 'store_kv', 'decode_attention', 'extend_attention']
 
 # %% ../nbs/04_kernels.ipynb #f5d13d52
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -139,6 +139,28 @@ def extend_attention_torch(q: Tensor, k_cache: Tensor, v_cache: Tensor, page_tab
         out[start:start + ext] = _attend(q[start:start + ext], k, v, q_pos, scale, sliding_window).to(q.dtype)
         start += ext
     return out
+
+# %% ../nbs/04_kernels.ipynb #93d30990
+def make_paged_batch(lens: list[int], exts: list[int] | None = None, page: int = 16, Hq: int = 9, Hkv: int = 3, D: int = 64,
+                     dtype: torch.dtype = torch.float32, seed: int = 0) -> dict:
+    "Random arguments of `decode_attention` (or, with `exts`, `extend_attention`) for requests of `lens` tokens: pages and page-table rows in random order."
+    g = torch.Generator().manual_seed(seed)
+    pages = [(n + page - 1) // page for n in lens]
+    k_cache = torch.randn(sum(pages) * page, Hkv, D, generator=g).to(dtype)
+    v_cache = torch.randn(sum(pages) * page, Hkv, D, generator=g).to(dtype)
+    order = torch.randperm(sum(pages), generator=g)                 # pages handed out in random order
+    rows = torch.randperm(len(lens) + 2, generator=g)[:len(lens)]   # request rows in random order
+    page_table = torch.zeros(len(lens) + 2, max(lens), dtype=torch.int32)
+    start = 0
+    for b, n in enumerate(lens):
+        mine = order[start:start + pages[b]]; start += pages[b]
+        page_table[rows[b], :n] = (mine[:, None] * page + torch.arange(page)).flatten()[:n].int()
+    n_q = len(lens) if exts is None else sum(exts)
+    batch = dict(q=torch.randn(n_q, Hq, D, generator=g).to(dtype), k_cache=k_cache, v_cache=v_cache,
+                 page_table=page_table, table_idx=rows.int(), seq_lens=torch.tensor(lens, dtype=torch.int32),
+                 scale=D ** -0.5)
+    if exts is not None: batch["extend_lens"] = torch.tensor(exts, dtype=torch.int32)
+    return batch
 
 # %% ../nbs/04_kernels.ipynb #7122966d
 _BUILD_HINT = ("the C++ extension `minisgl._C` is not built: run "

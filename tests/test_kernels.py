@@ -362,3 +362,49 @@ def test_cuda_sources_compile():
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     assert proc.stdout.count("ok ") == len(list((ROOT / "csrc/cuda").glob("*.cu")))
+
+
+@needs_ext
+def test_engine_serves_with_the_reference_attention_where_the_native_one_is_wrong(tmp_path, monkeypatch, caplog):
+    """The engine checks the C++ attention for its model's heads and KV dtype as it starts (`attention_problem`): the
+    real kernels pass here (with and without a sliding window); one made wrong in one head's outputs is caught, and
+    an engine that finds it serves with the torch reference's attention, with a warning (in fp32: the same tokens)."""
+    import logging
+    from dataclasses import replace
+    from tokenizers import Tokenizer, models
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    import minisgl.engine as E
+    from minisgl.core import SamplingParams
+    from minisgl.messages import UserMsg
+    from minisgl.scheduler import Scheduler, SchedulerConfig
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)).save_pretrained(tmp_path)
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>"))).save_pretrained(tmp_path)
+
+    def tokens(dtype):
+        eng = E.Engine(E.EngineConfig(model=str(tmp_path), dtype=dtype, device="cpu", num_pages=64, page_size=4), progress=False)
+        s = Scheduler(eng, SchedulerConfig(max_running_reqs=4))
+        for uid, p in enumerate([[5, 6, 7], list(range(10, 40)), [42]]):
+            s.submit(UserMsg(uid, p, SamplingParams(max_tokens=8, ignore_eos=True)))
+        return eng.backend, {uid: [o.token_id for o in outs] for uid, outs in s.run_until_idle().items()}
+
+    cfg = E.ModelConfig.from_hf(E.load_hf_config(tmp_path))
+    for dtype in (torch.float32, torch.bfloat16):
+        for c in (cfg, replace(cfg, sliding_windows=[8, -1])):
+            assert E.attention_problem(c, dtype, "cpu") is None
+    right = {dtype: tokens(dtype) for dtype in ("float32", "bfloat16")}
+    assert all(backend is None for backend, _ in right.values())
+    real = E.extend_attention
+    def one_head_wrong(*a, **k):
+        out = real(*a, **k)
+        if k.get("backend") == "cpu": out[:, 1] += 0.25
+        return out
+    monkeypatch.setattr(E, "extend_attention", one_head_wrong)
+    assert E.attention_problem(cfg, torch.float32, "cpu").startswith("extend attention: ")
+    for dtype in ("float32", "bfloat16"):
+        with caplog.at_level(logging.WARNING, logger="minisgl.engine"):
+            backend, got = tokens(dtype)
+        assert backend == "torch" and "the C++ attention computes wrong on this CPU (extend attention: " in caplog.text
+        assert got == right[dtype][1] if dtype == "float32" else len(got[1]) == 8   # bf16: the reference rounds otherwise,
+        caplog.clear()                                                              # and a random model is all near ties
