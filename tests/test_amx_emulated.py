@@ -1,15 +1,17 @@
-"""The AMX kernel of the quantized linears (`qamx`, csrc/cpu/quant.cpp) on a CPU without AMX: quant.cpp compiled with
--DMINISGL_AMX_EMULATE, where the four tile instructions it uses are scalar C++ (csrc/cpu/amx_emulate.h), so that the
-kernel's own logic (the bf16 B tile it dequantizes from the interleaved rows, the A tiles it reads from x, the rows
-it stores) is checked here as the chapter checks the real one where AMX exists: every format against the product of
-x and the dequantized weight rounded to bf16, within bf16's rounding. The rest of the kernel (its dequantization)
-uses AVX512-BF16 and VNNI, so the test needs those."""
+"""The AMX bodies on a CPU without AMX: the quantized linears' kernel (`qamx`, csrc/cpu/quant.cpp) and the bf16 decode
+and extend attention (csrc/cpu/attention_amx.h), compiled with -DMINISGL_AMX_EMULATE, where the four tile instructions
+they use are scalar C++ that honours the configured rows of each tile (csrc/cpu/amx_emulate.h). So the kernels' own
+logic (the tiles they build, the rows they load, what they store) is checked here as the chapters check the real
+ones where AMX exists: `qamx` on every format against the product of x and the dequantized weight rounded to bf16,
+within bf16's rounding; attention against the torch reference over random paged requests (GQA groups of 1 to 16
+heads, requests long enough to be split into tasks, sliding windows). The rest of the code around the tiles uses
+AVX512-BF16 and VNNI, so the test needs those."""
 from pathlib import Path
 
 import pytest
 import torch
 
-from minisgl.kernels import native
+from minisgl.kernels import decode_attention_torch, extend_attention_torch, make_paged_batch, native
 from minisgl.linear import _cpu_model_and_flags   # the kernel plan's reading of /proc/cpuinfo
 from minisgl.linear import wrong_outputs
 from minisgl.quant import FORMAT_BY_TYPE, QUANT_FORMATS, QuantLinear, quantize_int8, random_gguf_rows, repack
@@ -51,3 +53,52 @@ def test_every_format(emulated, name):
 
 def test_int8(emulated):
     check(emulated, quantize_int8(torch.randn(48, 256)), 100, torch.randn(20, 256).bfloat16(), None, 256)
+
+
+@pytest.fixture(scope="module")
+def emulated_attention(tmp_path_factory):
+    "attention.cpp with its AMX bodies on emulated tiles, and what gemm_amx.cpp gives it (AMX here, its configurations)."
+    from torch.utils.cpp_extension import load
+    d = tmp_path_factory.mktemp("amx_attention_emulated")
+    binding = d / "binding.cpp"
+    binding.write_text("""#include <torch/extension.h>
+#include "amx_emulate.h"
+#include "ops.h"
+namespace minisgl { namespace cpu {
+bool amx_available() { return true; }
+void amx_tiles_16x64() { emulate::configure(16, 16); }
+void amx_tiles_rows(int r0, int r1) { emulate::configure(r0, r1); }
+void release_amx() {}
+}}
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &minisgl::decode_attention_cpu);
+  m.def("extend_attention", &minisgl::extend_attention_cpu);
+}
+""")
+    return load("minisgl_amx_attention_emulated", [str(binding), str(CPU / "attention.cpp")],
+                extra_include_paths=[str(CPU), str(CPU.parent)], extra_cflags=["-O1", "-g0", "-std=c++17", "-DMINISGL_AMX_EMULATE"],
+                build_directory=str(d), verbose=False)
+
+
+def _exact(batch):
+    return {k: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in batch.items()}
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (9, 3), (16, 2), (32, 2)])   # GQA groups of 1, 3, 8 and 16 query heads
+def test_attention_bodies(emulated_attention, heads):
+    """Decode (head_dim 64: the decode body's only size) over requests of 1 to 1100 tokens (a 1100-token request is
+    split into tasks of at least 512 keys), extend (head_dim 64 and 128) of a fresh prompt, a short one and one on
+    57 cached tokens; pages of 1 and 16 tokens in random order; with and without a sliding window. Each within the
+    engine's own check at start-up (`wrong_outputs`) of the fp32 reference."""
+    Hq, Hkv = heads
+    args = ("q", "k_cache", "v_cache", "page_table", "table_idx", "seq_lens")
+    for page in (1, 16):
+        for w in (-1, 40):
+            b = make_paged_batch([1, 17, 300, 1100], page=page, Hq=Hq, Hkv=Hkv, D=64, dtype=torch.bfloat16, seed=Hq)
+            got = emulated_attention.decode_attention(*[b[k] for k in args], b["scale"], w)
+            assert wrong_outputs(got.reshape(-1, 64), decode_attention_torch(**_exact(b), sliding_window=w).reshape(-1, 64)) is None
+            for D in (64, 128):
+                b = make_paged_batch([140, 5, 90], [140, 5, 33], page=page, Hq=Hq, Hkv=Hkv, D=D, dtype=torch.bfloat16, seed=Hq)
+                got = emulated_attention.extend_attention(*[b[k] for k in args], b["extend_lens"], b["scale"], w)
+                ref = extend_attention_torch(**_exact(b), sliding_window=w)
+                assert wrong_outputs(got.reshape(-1, D), ref.reshape(-1, D)) is None, (page, w, D)

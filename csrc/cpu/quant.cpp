@@ -718,7 +718,7 @@ void check_weight(const at::Tensor& w, int64_t t, int64_t K, const char* fn) {
 #define MINISGL_QAMX 1
 #ifdef MINISGL_AMX_EMULATE   // tests only: the tile instructions in scalar code (amx_emulate.h, included above)
 #define MINISGL_TQA __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,avx2,fma,f16c")))
-#define MINISGL_AMX_TILES()
+#define MINISGL_AMX_TILES() ::minisgl::emulate::configure(16, 16)
 #else
 #define MINISGL_TQA __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,avx2,fma,f16c")))
 #define MINISGL_AMX_TILES() amx_tiles_16x64()
