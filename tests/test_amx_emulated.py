@@ -102,3 +102,22 @@ def test_attention_bodies(emulated_attention, heads):
                 got = emulated_attention.extend_attention(*[b[k] for k in args], b["extend_lens"], b["scale"], w)
                 ref = extend_attention_torch(**_exact(b), sliding_window=w)
                 assert wrong_outputs(got.reshape(-1, D), ref.reshape(-1, D)) is None, (page, w, D)
+
+
+def test_attention_bodies_give_a_request_the_same_bits_in_any_batch(emulated_attention):
+    """As the other bodies do (tests/test_mixed_batches.py): a request's decode attention is the same bits alone and
+    beside others (its keys are cut by its length alone), a mixed step's decode row (an extend of one query) is the
+    same bits as that request's decode, and a prompt's extend rows are the same alone and beside others."""
+    args = ("q", "k_cache", "v_cache", "page_table", "table_idx", "seq_lens")
+    def decode(b, rows=slice(None), q=None):
+        return emulated_attention.decode_attention(b["q"][rows] if q is None else q, b["k_cache"], b["v_cache"],
+                                                   b["page_table"], b["table_idx"][rows], b["seq_lens"][rows], b["scale"], -1)
+    b = make_paged_batch([1, 17, 300, 1100], page=16, Hq=9, Hkv=3, D=64, dtype=torch.bfloat16, seed=5)
+    together = decode(b)
+    for i in range(4): assert torch.equal(decode(b, slice(i, i + 1))[0], together[i]), i
+    e = make_paged_batch([140, 300, 90], [140, 1, 33], page=16, Hq=9, Hkv=3, D=64, dtype=torch.bfloat16, seed=6)
+    out = emulated_attention.extend_attention(*[e[k] for k in args], e["extend_lens"], e["scale"], -1)
+    assert torch.equal(out[140], decode(e, slice(1, 2), e["q"][140:141])[0])   # the decode row of the step
+    alone = emulated_attention.extend_attention(e["q"][:140], e["k_cache"], e["v_cache"], e["page_table"], e["table_idx"][:1],
+                                                e["seq_lens"][:1], e["extend_lens"][:1], e["scale"], -1)
+    assert torch.equal(alone, out[:140])
