@@ -42,6 +42,9 @@
 #include <unistd.h>
 #define MINISGL_AMX 1
 #endif
+#ifdef MINISGL_AMX_EMULATE
+#include "amx_emulate.h"   // tests only (tests/test_amx_emulated.py): the tiles in scalar code, on any x86 CPU
+#endif
 
 namespace minisgl {
 namespace cpu {
@@ -56,6 +59,9 @@ constexpr int64_t kGroupBytes = 512 << 10;  // W's output blocks per group: at m
 
 // The CPU has AMX-TILE and AMX-BF16 (CPUID leaf 7: EDX bits 24 and 22) and AVX512-BF16 for the epilogue.
 bool cpu_has_amx() {
+#ifdef MINISGL_AMX_EMULATE
+  return true;
+#endif
   unsigned a, b, c, d;
   if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
   __builtin_cpu_init();
@@ -72,14 +78,22 @@ struct alignas(64) TileConfig {
 
 // The tiles of a block of r0 + r1 rows (r0 <= 16 in tmm0, 1 and 4; r1 <= 16 in tmm2, 3 and 5), loaded only when
 // the thread's current configuration differs (ldtilecfg also zeroes the tiles).
+#ifdef MINISGL_AMX_EMULATE
+#define MINISGL_TAMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+#else
 #define MINISGL_TAMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+#endif
 
 thread_local int tile_config = -1;  // the key (r0, r1) of this thread's loaded configuration; -1: none
 
 // Whether this thread's tile configuration is still loaded: code outside minisgl (oneDNN, behind torch's matmuls)
 // runs on the same threads and may have released the tiles (TILERELEASE), after which a tile instruction is an
 // invalid opcode. XINUSE (xgetbv 1) bit 17 says whether TILECFG is in use: a few cycles to read.
+#ifdef MINISGL_AMX_EMULATE
+inline bool tiles_still_configured() { return true; }   // nothing else runs emulated tiles
+#else
 __attribute__((target("xsave"))) inline bool tiles_still_configured() { return (_xgetbv(1) >> 17) & 1; }
+#endif
 
 MINISGL_TAMX void configure(int r0, int r1) {
   const int key = r0 * 32 + r1;
@@ -96,7 +110,11 @@ MINISGL_TAMX void configure(int r0, int r1) {
   }
   // GCC does not see ldtilecfg read cfg: with constant rows it dropped the stores above (found as a SIGILL)
   __asm__ __volatile__("" : : "r"(&cfg) : "memory");
+#ifdef MINISGL_AMX_EMULATE
+  emulate::configure(r0, r1);
+#else
   _tile_loadconfig(&cfg);
+#endif
   tile_config = key;
 }
 
@@ -151,6 +169,9 @@ bool amx_available() {
     const char* cap = std::getenv("MINISGL_CPU_ISA");
     if (cap && *cap) return false;  // any cap is below AMX, the widest ISA here
     if (!cpu_has_amx()) return false;
+#ifdef MINISGL_AMX_EMULATE
+    return true;
+#endif
     return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
   }();
   return ok;
@@ -196,7 +217,11 @@ MINISGL_TAMX void amx_tiles_16x64() { configure(16, 16); }
 // Hands the tile state back (the thread's next ldtilecfg takes it again): a thread holding it makes every
 // context switch save and restore 8 KB more. Plain code until it knows the thread holds tiles, so that it runs
 // on any CPU.
+#ifdef MINISGL_AMX_EMULATE
+static void tile_release() {}
+#else
 MINISGL_TAMX static void tile_release() { _tile_release(); }
+#endif
 
 void release_amx() {
   if (tile_config < 0) return;

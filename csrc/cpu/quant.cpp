@@ -718,10 +718,8 @@ void check_weight(const at::Tensor& w, int64_t t, int64_t K, const char* fn) {
 #define MINISGL_QAMX 1
 #ifdef MINISGL_AMX_EMULATE   // tests only: the tile instructions in scalar code (amx_emulate.h, included above)
 #define MINISGL_TQA __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,avx2,fma,f16c")))
-#define MINISGL_AMX_TILES() ::minisgl::emulate::configure(16, 16)
 #else
 #define MINISGL_TQA __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,avx2,fma,f16c")))
-#define MINISGL_AMX_TILES() amx_tiles_16x64()
 #endif
 
 // Block j of the group at g as bf16 B-tile rows: out[p][2r + e] = w[row r][32 j + 2 p + e].
@@ -757,7 +755,7 @@ MINISGL_TQA inline void dequant_block_bf16(const uint8_t* g, int64_t j, uint16_t
 template <int64_t T>
 MINISGL_TQA void rows_amx(const uint8_t* w, int64_t rb, int64_t K, int64_t n0, int64_t n1, const QAct& a,
                           const float* bias, const YOut& y, int64_t col0) {
-  MINISGL_AMX_TILES();
+  amx_tiles_16x64();
   const int64_t nb = K / 32, chunks = (a.M + 15) / 16;
   static thread_local std::vector<uint16_t> tiles;   // the group's blocks as B tiles, [nb][16][32]
   if (static_cast<int64_t>(tiles.size()) < nb * 512 + 32) tiles.resize(nb * 512 + 32);
