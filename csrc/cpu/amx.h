@@ -18,3 +18,13 @@ void release_amx();
 
 }  // namespace cpu
 }  // namespace minisgl
+
+// The target features of code that runs tile instructions (with the AVX-512 ones each body names after it): AMX's,
+// except in the tests' emulated build (-DMINISGL_AMX_EMULATE, tests/test_amx_emulated.py), where amx_emulate.h
+// writes the tile instructions in scalar C++ and is included here, for every AMX body alike.
+#ifdef MINISGL_AMX_EMULATE
+#include "amx_emulate.h"
+#define MINISGL_AMX_ISA ""
+#else
+#define MINISGL_AMX_ISA "amx-tile,amx-bf16,"
+#endif

@@ -1,10 +1,11 @@
 // amx_emulate.h -- the four AMX tile instructions that the AMX bodies use (quant.cpp's qamx, attention_amx.h's decode
 // and extend), in scalar C++, so that their tile logic (the tiles they build, the rows they load, what they store)
-// is tested on CPUs without AMX. Included only when quant.cpp or attention.cpp is compiled with -DMINISGL_AMX_EMULATE
-// (tests/test_amx_emulated.py); never in the extension. Eight tiles of 64 bytes a row and the rows that amx.h's
+// is tested on CPUs without AMX. Included (by amx.h) only when the extension is compiled with -DMINISGL_AMX_EMULATE
+// (tests/test_amx_emulated.py); never in the one that is installed. Eight tiles of 64 bytes a row and the rows that amx.h's
 // configurations give them (`configure`): a load fills the configured rows and zeroes the others, a store writes
 // the configured rows only, as the hardware does.
 #pragma once
+#include <immintrin.h>   // first: the tile intrinsics' names below replace its own
 #include <cstdint>
 #include <cstring>
 

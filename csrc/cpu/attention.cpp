@@ -48,9 +48,6 @@
 #include "attention_plan.h"
 #include "isa.h"
 #include "vec.h"
-#ifdef MINISGL_AMX_EMULATE
-#include "amx_emulate.h"   // tests only (tests/test_amx_emulated.py)
-#endif
 
 namespace minisgl {
 namespace cpu {

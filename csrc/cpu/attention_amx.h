@@ -17,12 +17,8 @@
 // blocks of 16 dims); other shapes keep the fp32 body.
 #pragma once
 
-#ifdef MINISGL_AMX_EMULATE   // tests only: the tile instructions in scalar code (amx_emulate.h, attention.cpp includes it)
-#define MINISGL_TARGET_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c"), flatten))
-#else
 #define MINISGL_TARGET_AMX \
-  __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c"), flatten))
-#endif
+  __attribute__((target(MINISGL_AMX_ISA "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c"), flatten))
 
 namespace amx_attn {
 

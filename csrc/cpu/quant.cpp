@@ -52,9 +52,6 @@
 #include "amx.h"
 #include "isa.h"
 #include "quant.h"
-#ifdef MINISGL_AMX_EMULATE
-#include "amx_emulate.h"   // tests only (tests/test_amx_emulated.py)
-#endif
 
 #pragma GCC diagnostic ignored "-Wpsabi"
 
@@ -716,11 +713,8 @@ void check_weight(const at::Tensor& w, int64_t t, int64_t K, const char* fn) {
 // tile wants: lane r of a quad is row r's weights 4c..4c+3, i.e. pairs 2c and 2c + 1 of B's column r.
 #if defined(MINISGL_Q_X86) && defined(__linux__)
 #define MINISGL_QAMX 1
-#ifdef MINISGL_AMX_EMULATE   // tests only: the tile instructions in scalar code (amx_emulate.h, included above)
-#define MINISGL_TQA __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,avx2,fma,f16c")))
-#else
-#define MINISGL_TQA __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,avx2,fma,f16c")))
-#endif
+#define MINISGL_TQA \
+  __attribute__((target(MINISGL_AMX_ISA "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,avx2,fma,f16c")))
 
 // Block j of the group at g as bf16 B-tile rows: out[p][2r + e] = w[row r][32 j + 2 p + e].
 template <int64_t T>
@@ -861,10 +855,8 @@ void QAct::pack_rows(const uint16_t* x, int64_t xs, int64_t m0, int64_t m1) {
 }
 
 bool quant_amx_here() {
-#if defined(MINISGL_AMX_EMULATE)
-  return true;
-#elif defined(MINISGL_QAMX)
-  return amx_available();
+#if defined(MINISGL_QAMX)
+  return amx_available();   // the tests' emulated build: true on any CPU (gemm_amx.cpp)
 #else
   return false;
 #endif
