@@ -113,8 +113,10 @@ def overlap_server():
 
 @pytest.fixture(scope="module")
 def small_server():
-    "One-token pages, chunked prefill of 4 tokens, one running request and one queued."
-    s = ServerProc("--page-size", "1", "--prefill-budget", "4",
+    """One-token pages, chunked prefill of 4 tokens, one running request and one queued. Each step sleeps 5 ms, so
+    that a 2000-token stream stays in flight ~10 s: the plain toy finishes it in ~0.7 s, and a loaded machine once
+    let it finish before `test_queue_bound`'s next request arrived (200 instead of 429)."""
+    s = ServerProc("--page-size", "1", "--prefill-budget", "4", "--step-delay", "0.005",
                    "--max-running-requests", "1", "--max-queued-requests", "1", toy=True)
     yield s
     assert s.stop() == 0
