@@ -160,4 +160,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("has_cuda", &minisgl::has_cuda, "whether the CUDA kernels were compiled in");
   m.def("cpu_isa", &minisgl::cpu_isa, "the instruction set the CPU kernels use on this machine");
+  m.def("attention_bodies", &minisgl::attention_bodies, "the CPU attention bodies that run here for a case, the flags' choice first",
+        py::arg("kind"), py::arg("dtype"), py::arg("head_dim"), py::arg("group"));
+  m.def("use_attention_body", &minisgl::use_attention_body, "make `name` the body every CPU attention call of the case runs",
+        py::arg("kind"), py::arg("dtype"), py::arg("head_dim"), py::arg("group"), py::arg("name"));
+  m.def("attention_body", &minisgl::attention_body, "the CPU attention body a case runs",
+        py::arg("kind"), py::arg("dtype"), py::arg("head_dim"), py::arg("group"));
 }

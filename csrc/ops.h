@@ -10,6 +10,12 @@
 namespace minisgl {
 
 std::string cpu_isa();  // the attention kernels' instruction set, picked at run time: avx512bf16 | avx512 | avx2 | baseline
+// The CPU attention bodies that run here for a case (kind "decode" | "extend", dtype "float32" | "bfloat16" |
+// "float16", head_dim, group = query heads per KV head), the flags' choice first; the one every call of the case
+// runs (name "" goes back to the first); and the one in use.
+std::vector<std::string> attention_bodies(const std::string& kind, const std::string& dtype, int64_t head_dim, int64_t group);
+void use_attention_body(const std::string& kind, const std::string& dtype, int64_t head_dim, int64_t group, const std::string& name);
+std::string attention_body(const std::string& kind, const std::string& dtype, int64_t head_dim, int64_t group);
 
 void store_kv_cpu(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& out_loc, const at::Tensor& k,
                   const at::Tensor& v);

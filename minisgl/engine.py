@@ -6,6 +6,7 @@
 from __future__ import annotations
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -21,8 +22,8 @@ import torch.nn as nn
 from fastcore.basics import patch
 
 from .core import Batch, ChunkedReq, ForwardOutput, SamplingParams, check, check_choice, check_int, option
-from .kernels import (decode_attention, decode_attention_torch, extend_attention, extend_attention_torch,
-                             make_paged_batch, native)
+from .kernels import (attention_bodies, attention_body, decode_attention, decode_attention_torch, extend_attention,
+                             extend_attention_torch, make_paged_batch, native, use_attention_body)
 from .kvcache import KVPool
 from .linear import (KERNELS, ROW_BUCKETS, KernelPlan, PackedLinear, can_pack_linears, cpu_signature, kernel_plan,
                             linear_specs, pack_linears, plan_cache_dir, save_json, to_huge_pages, wrong_outputs)
@@ -37,10 +38,11 @@ from .weights import (eos_token_ids, load_gguf_model, load_hf_config, load_model
 logger = logging.getLogger('minisgl.engine')
 
 # %% auto #0
-__all__ = ['logger', 'QUANTIZATIONS', 'PLANNED_ROWS', 'SERVE_ITL_TARGET', 'FIXED_LIMITS', 'CHOICE_ROWS', 'EngineConfig',
-           'cpu_has_fast_bf16', 'free_memory', 'attention_problem', 'Engine', 'model_linear_specs', 'BatchLimits',
-           'linear_seconds', 'fit_limits', 'EngineArgs', 'decode_step_seconds', 'QuantChoice', 'measure_quantization',
-           'quantization_choice']
+__all__ = ['logger', 'QUANTIZATIONS', 'ATTENTION_MARGIN', 'PLANNED_ROWS', 'SERVE_ITL_TARGET', 'FIXED_LIMITS', 'CHOICE_ROWS',
+           'EngineConfig', 'cpu_has_fast_bf16', 'free_memory', 'attention_problem', 'time_attention_bodies',
+           'AttentionChoice', 'choose_attention_body', 'choose_attention_bodies', 'Engine', 'model_linear_specs',
+           'BatchLimits', 'linear_seconds', 'fit_limits', 'EngineArgs', 'decode_step_seconds', 'QuantChoice',
+           'measure_quantization', 'quantization_choice']
 
 # %% ../nbs/08_engine.ipynb #2a257558
 QUANTIZATIONS = ('auto', 'none', 'gguf', 'int8')
@@ -153,18 +155,78 @@ def free_memory(device: torch.device) -> int:
     return 4 << 30
 
 # %% ../nbs/08_engine.ipynb #b70ecd2d
-def attention_problem(cfg: ModelConfig, dtype: torch.dtype, backend: str | None = None) -> str | None:
-    "What is wrong with `backend`'s decode and extend attention for `cfg`'s heads and a KV cache of `dtype`, against the torch reference in fp32; None if nothing."
+def attention_problem(cfg: ModelConfig, dtype: torch.dtype, backend: str | None = None,
+                      kinds: tuple[str, ...] = ('decode', 'extend')) -> str | None:
+    "What is wrong with `backend`'s attention of `kinds` for `cfg`'s heads and a KV cache of `dtype`, against the torch reference in fp32; None if nothing."
     D = cfg.head_dim
-    for seed, (lens, exts) in enumerate((([1, 300, 17, 64], None), ([140, 5, 90], [140, 5, 33]))):
+    for seed, (kind, lens, exts) in enumerate((('decode', [1, 300, 17, 64], None), ('extend', [140, 5, 90], [140, 5, 33]))):
+        if kind not in kinds: continue
         b = make_paged_batch(lens, exts, page=4, Hq=cfg.num_heads, Hkv=cfg.num_kv_heads, D=D, dtype=dtype, seed=seed)
         exact = {k: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in b.items()}
         for w in sorted({-1, *cfg.sliding_windows}):
             if exts is None: got, ref = decode_attention(**b, sliding_window=w, backend=backend), decode_attention_torch(**exact, sliding_window=w)
             else: got, ref = extend_attention(**b, sliding_window=w, backend=backend), extend_attention_torch(**exact, sliding_window=w)
             if why := wrong_outputs(got.reshape(-1, D), ref.reshape(-1, D)):
-                return f"{'decode' if exts is None else 'extend'} attention{f' (window {w})' if w > 0 else ''}: {why}"
+                return f"{kind} attention{f' (window {w})' if w > 0 else ''}: {why}"
     return None
+
+# %% ../nbs/08_engine.ipynb #f81e9993
+ATTENTION_MARGIN = 0.9   # another body replaces the flags' first right one only at <= 90% of its time
+
+def _timing_batch(kind: str, dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int) -> dict:
+    lens, exts = ([2000] + [300] * 15, None) if kind == 'decode' else ([256, 232, 232, 232], [256, 32, 32, 32])
+    return make_paged_batch(lens, exts, page=16, Hq=num_heads, Hkv=num_kv_heads, D=head_dim, dtype=dtype)
+
+@functools.cache   # once per process: engines of one model in a process run the same bodies
+def time_attention_bodies(kind: str, dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int,
+                          reps: int = 5) -> dict[str, float]:
+    "Median ms of each C++ attention body of `kind` that runs here (`attention_bodies`, the flags' choice first) on a busy server's step of these heads."
+    case = (kind, dtype, head_dim, num_heads // num_kv_heads)
+    batch, run = _timing_batch(kind, dtype, head_dim, num_heads, num_kv_heads), (decode_attention if kind == 'decode' else extend_attention)
+    times, before = {body: [] for body in attention_bodies(*case)}, attention_body(*case)
+    try:
+        for body in [*times] * 2:   # warm-up: the pages touched, the threads awake
+            use_attention_body(*case, body); run(**batch, backend='cpu')
+        for _ in range(reps):
+            best = min((statistics.median(t) for t in times.values() if t), default=math.inf)
+            for body, t in times.items():
+                if t and statistics.median(t) > 2 * best: continue
+                use_attention_body(*case, body)
+                start = time.perf_counter(); run(**batch, backend='cpu'); t.append((time.perf_counter() - start) * 1e3)
+    finally: use_attention_body(*case, before)
+    return {body: statistics.median(t) for body, t in times.items()}
+
+# %% ../nbs/08_engine.ipynb #0555062d
+@dataclass
+class AttentionChoice:
+    "The C++ attention body an engine runs for one `kind` of step: each body's time (ms), what was wrong with any that answered wrong, and the body kept (None: none right)."
+    kind: str
+    ms: dict[str, float]
+    wrong: dict[str, str]
+    body: str | None
+
+    def __str__(self):
+        times = ', '.join(f"{n} {t:.2f} ms{' (wrong)' if n in self.wrong else ''}" for n, t in self.ms.items())
+        return f"{self.kind}: {self.body or 'no body right'} ({times})"
+
+def choose_attention_body(ms: dict[str, float], wrong: dict[str, str] | None = None, margin: float = ATTENTION_MARGIN) -> str | None:
+    "Of the bodies timed in `ms` (the flags' choice first) that are not `wrong`: the first, unless the fastest takes at most `margin` of its time."
+    right = [body for body in ms if body not in (wrong or {})]
+    if not right: return None
+    first, fastest = right[0], min(right, key=ms.get)
+    return fastest if ms[fastest] <= margin * ms[first] else first
+
+def choose_attention_bodies(cfg: ModelConfig, dtype: torch.dtype) -> list[AttentionChoice]:
+    "Time and check every C++ attention body for `cfg`'s heads and `dtype` caches, and make each kind run the body `choose_attention_body` keeps (none right: the flags' choice stays)."
+    choices, case = [], (dtype, cfg.head_dim, cfg.num_heads // cfg.num_kv_heads)
+    for kind in ('decode', 'extend'):
+        ms, wrong = time_attention_bodies(kind, dtype, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads), {}
+        for body in ms:
+            use_attention_body(kind, *case, body)
+            if why := attention_problem(cfg, dtype, 'cpu', kinds=(kind,)): wrong[body] = why
+        choices.append(AttentionChoice(kind, ms, wrong, choose_attention_body(ms, wrong)))
+        use_attention_body(kind, *case, choices[-1].body)
+    return choices
 
 # %% ../nbs/08_engine.ipynb #9e7e0d36
 class Engine:
@@ -200,11 +262,17 @@ class Engine:
         self.kv_pool = KVPool(cfg.num_layers, self.num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim,
                               self.dtype, self.device)
         self.kv_caches = [(self.kv_pool.k_cache(i), self.kv_pool.v_cache(i)) for i in range(cfg.num_layers)]
-        self.backend = config.attention_backend
+        self.backend, self.attention_choices = config.attention_backend, []
         if self.device.type == 'cpu' and self.backend in (None, 'cpu') and native() is not None:
-            if why := attention_problem(cfg, self.dtype, 'cpu'):   # `attention_problem` above
+            self.attention_choices = choose_attention_bodies(cfg, self.dtype)   # timed and checked: see above
+            logger.info('attention bodies (timed here, on a busy step of these heads):\n  %s', '\n  '.join(map(str, self.attention_choices)))
+            for c in self.attention_choices:
+                if c.wrong and c.body: logger.warning("the C++ %s attention's %s bodies compute wrong on this CPU (%s): serving "
+                                                      "with its %s body. Please report it with `lscpu`.", c.kind, ', '.join(c.wrong),
+                                                      '; '.join(c.wrong.values()), c.body)
+            if broken := [next(iter(c.wrong.values())) for c in self.attention_choices if c.body is None]:
                 logger.warning('the C++ attention computes wrong on this CPU (%s): serving with the torch reference attention '
-                               'instead (slower; attention_backend="torch"). Please report it with `lscpu`.', why)
+                               'instead (slower; attention_backend="torch"). Please report it with `lscpu`.', '; '.join(broken))
                 self.backend = 'torch'
 
 # %% ../nbs/08_engine.ipynb #84b007d0

@@ -15,7 +15,8 @@ from torch import Tensor
 
 # %% auto #0
 __all__ = ['store_kv_torch', 'decode_attention_torch', 'extend_attention_torch', 'make_paged_batch', 'native',
-           'available_backends', 'store_kv', 'decode_attention', 'extend_attention']
+           'available_backends', 'store_kv', 'decode_attention', 'extend_attention', 'attention_bodies',
+           'use_attention_body', 'attention_body']
 
 # %% ../nbs/04_kernels.ipynb #f5d13d52
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -263,3 +264,34 @@ def extend_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Te
                                        scale, sliding_window)
     return native().extend_attention(q, k_cache, v_cache, page_table, table_idx, seq_lens, extend_lens,
                                    float(scale), sliding_window)
+
+# %% ../nbs/04_kernels.ipynb #e9da0565
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _attention_case(kind: str, dtype: torch.dtype, head_dim: int, group: int) -> tuple:
+    if kind not in ("decode", "extend"): raise ValueError(f"kind must be 'decode' or 'extend', got {kind!r}")
+    if dtype not in _DTYPE_NAMES: raise ValueError(f"dtype must be one of {list(_DTYPE_NAMES)}, got {dtype}")
+    for name, v in (("head_dim", head_dim), ("group", group)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1: raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    if native() is None: raise RuntimeError(f"the CPU attention bodies need {_BUILD_HINT}")
+    return kind, _DTYPE_NAMES[dtype], head_dim, group
+
+
+def attention_bodies(kind: str, dtype: torch.dtype, head_dim: int, group: int) -> list[str]:
+    "The C++ attention bodies that run on this CPU for `kind` ('decode' or 'extend') of `dtype` caches, `head_dim` and `group` query heads per KV head; the flags' choice first."
+    return native().attention_bodies(*_attention_case(kind, dtype, head_dim, group))
+
+
+def use_attention_body(kind: str, dtype: torch.dtype, head_dim: int, group: int, name: str | None) -> None:
+    "Make body `name` (one of `attention_bodies`) the one every CPU attention call of this case runs; None: the flags' choice again."
+    case = _attention_case(kind, dtype, head_dim, group)
+    if name is not None and name not in (names := native().attention_bodies(*case)):
+        raise ValueError(f"{kind} attention body {name!r} does not run here for {dtype}, head_dim {head_dim}, group {group}: "
+                         f"choose one of {names}")
+    native().use_attention_body(*case, name or "")
+
+
+def attention_body(kind: str, dtype: torch.dtype, head_dim: int, group: int) -> str:
+    "The C++ attention body this case runs now."
+    return native().attention_body(*_attention_case(kind, dtype, head_dim, group))

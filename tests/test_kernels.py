@@ -366,9 +366,10 @@ def test_cuda_sources_compile():
 
 @needs_ext
 def test_engine_serves_with_the_reference_attention_where_the_native_one_is_wrong(tmp_path, monkeypatch, caplog):
-    """The engine checks the C++ attention for its model's heads and KV dtype as it starts (`attention_problem`): the
-    real kernels pass here (with and without a sliding window); one made wrong in one head's outputs is caught, and
-    an engine that finds it serves with the torch reference's attention, with a warning (in fp32: the same tokens)."""
+    """The engine checks every C++ attention body for its model's heads and KV dtype as it starts (`attention_problem`):
+    the real kernels pass here (with and without a sliding window); extend attention made wrong in one head's outputs is
+    caught: wrong in every body, the engine serves with the torch reference's attention, with a warning (in fp32: the same
+    tokens); wrong in the flags' body only, it keeps another body and says which was wrong."""
     import logging
     from dataclasses import replace
     from tokenizers import Tokenizer, models
@@ -395,12 +396,14 @@ def test_engine_serves_with_the_reference_attention_where_the_native_one_is_wron
             assert E.attention_problem(c, dtype, "cpu") is None
     right = {dtype: tokens(dtype) for dtype in ("float32", "bfloat16")}
     assert all(backend is None for backend, _ in right.values())
-    real = E.extend_attention
-    def one_head_wrong(*a, **k):
+    real, group = E.extend_attention, cfg.num_heads // cfg.num_kv_heads
+    def one_head_wrong(*a, **k):   # in `wrong_bodies` (all: None) of this model's extend case
         out = real(*a, **k)
-        if k.get("backend") == "cpu": out[:, 1] += 0.25
+        if k.get("backend") == "cpu" and (wrong_bodies is None or E.attention_body("extend", out.dtype, cfg.head_dim, group) in wrong_bodies):
+            out[:, 1] += 0.25
         return out
     monkeypatch.setattr(E, "extend_attention", one_head_wrong)
+    wrong_bodies = None
     assert E.attention_problem(cfg, torch.float32, "cpu").startswith("extend attention: ")
     for dtype in ("float32", "bfloat16"):
         with caplog.at_level(logging.WARNING, logger="minisgl.engine"):
@@ -408,3 +411,15 @@ def test_engine_serves_with_the_reference_attention_where_the_native_one_is_wron
         assert backend == "torch" and "the C++ attention computes wrong on this CPU (extend attention: " in caplog.text
         assert got == right[dtype][1] if dtype == "float32" else len(got[1]) == 8   # bf16: the reference rounds otherwise,
         caplog.clear()                                                              # and a random model is all near ties
+    # only the body the flags pick is wrong: the engine keeps another that answers right, and serves natively
+    for dtype in (torch.float32, torch.bfloat16):
+        bodies = E.attention_bodies("extend", dtype, cfg.head_dim, group)
+        wrong_bodies = bodies[:1]
+        with caplog.at_level(logging.WARNING, logger="minisgl.engine"):
+            backend, got = tokens(str(dtype)[6:])
+        if len(bodies) == 1:   # a CPU with one body (no AVX2): nothing else to keep
+            assert backend == "torch"; continue
+        assert backend is None and f"the C++ extend attention's {bodies[0]} bodies compute wrong on this CPU" in caplog.text
+        assert E.attention_body("extend", dtype, cfg.head_dim, group) in bodies[1:]
+        assert got == right[str(dtype)[6:]][1] if dtype == torch.float32 else len(got[1]) == 8
+        caplog.clear()

@@ -34,8 +34,11 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <map>
+#include <mutex>
 #include <numeric>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #if defined(__GNUC__) && defined(__x86_64__)
@@ -347,16 +350,31 @@ MINISGL_TARGET_BF16 void extend_bf16_dot(const Args& a, const ExtendTask& t, Scr
 using DecodeFn = void (*)(const Args&, const DecodeTask&, float*, Scratch&);
 using ExtendFn = void (*)(const Args&, const ExtendTask&, Scratch&);
 
+// ---------------------------------------------------------------- bodies, by name
+// Every body that runs here for one case (dtype, head_dim, group), the one the CPU's flags suggest first. Which is
+// fastest is measured, not assumed: the engine times them on its model's heads as it starts and keeps the fastest
+// that answers right (chapter engine, `choose_attention_bodies`); `use_attention_body` makes that body the one
+// every call for the case runs, decode steps included (a case never named runs its first body).
+template <typename Fn>
+struct Named {
+  const char* name;
+  Fn fn;
+};
+
+template <typename Fn>
+void add_isa_variants(std::vector<Named<Fn>>& v, Fn avx512, Fn avx2, Fn base) {
+  if (best_isa() >= Isa::avx512) v.push_back({"avx512", avx512});
+  if (best_isa() >= Isa::avx2) v.push_back({"avx2", avx2});
+  v.push_back({"baseline", base});
+}
 #ifdef MINISGL_X86
-#define MINISGL_PICK(kind, suffix)                                 \
-  (best_isa() >= Isa::avx512 ? kind##_##suffix##_avx512            \
-   : best_isa() == Isa::avx2 ? kind##_##suffix##_avx2              \
-                             : kind##_##suffix##_base)
+#define MINISGL_ADD_VARIANTS(v, kind, suffix) \
+  add_isa_variants(v, kind##_##suffix##_avx512, kind##_##suffix##_avx2, kind##_##suffix##_base)
 #else
-#define MINISGL_PICK(kind, suffix) kind##_##suffix##_base
+#define MINISGL_ADD_VARIANTS(v, kind, suffix) v.push_back({"baseline", kind##_##suffix##_base})
 #endif
 
-// Whether bf16 attention over head_dim D runs the AVX512-BF16 bodies (bf16 dot products) on this machine.
+// Whether bf16 attention over head_dim D can run the AVX512-BF16 bodies (bf16 dot products) on this machine.
 bool bf16_dot(int64_t D) {
 #ifdef MINISGL_X86
   return best_isa() == Isa::avx512bf16 && D % 2 == 0;
@@ -365,22 +383,55 @@ bool bf16_dot(int64_t D) {
 #endif
 }
 
-DecodeFn pick_decode(at::ScalarType dt, int64_t D, int64_t G) {
-  if (dt == at::kFloat) return MINISGL_PICK(decode, f32);
+std::vector<Named<DecodeFn>> decode_bodies(at::ScalarType dt, int64_t D, int64_t G) {
+  std::vector<Named<DecodeFn>> v;
+  if (dt == at::kFloat) {
+    MINISGL_ADD_VARIANTS(v, decode, f32);
+  } else if (dt == at::kBFloat16) {
 #ifdef MINISGL_X86
-  if (dt == at::kBFloat16 && amx_attn::runs(D, G)) return decode_bf16_amx;
+    if (amx_attn::runs(D, G)) v.push_back({"amx", decode_bf16_amx});
 #endif
-  if (dt == at::kBFloat16) return MINISGL_PICK(decode, bf16);   // bf16 dots measured no faster here (attention_bf16.h)
-  return MINISGL_PICK(decode, f16);
+    MINISGL_ADD_VARIANTS(v, decode, bf16);   // no bf16-dot decode body: measured no faster (attention_bf16.h)
+  } else {
+    MINISGL_ADD_VARIANTS(v, decode, f16);
+  }
+  return v;
 }
-ExtendFn pick_extend(at::ScalarType dt, int64_t D) {
-  if (dt == at::kFloat) return MINISGL_PICK(extend, f32);
+std::vector<Named<ExtendFn>> extend_bodies(at::ScalarType dt, int64_t D, int64_t G) {
+  std::vector<Named<ExtendFn>> v;
+  if (dt == at::kFloat) {
+    MINISGL_ADD_VARIANTS(v, extend, f32);
+  } else if (dt == at::kBFloat16) {
 #ifdef MINISGL_X86
-  if (dt == at::kBFloat16 && amx_attn::extend_runs(D)) return extend_bf16_amx;
-  if (dt == at::kBFloat16 && bf16_dot(D)) return extend_bf16_dot;
+    if (amx_attn::extend_runs(D)) v.push_back({"amx", extend_bf16_amx});
+    if (bf16_dot(D)) v.push_back({"bf16dot", extend_bf16_dot});
 #endif
-  if (dt == at::kBFloat16) return MINISGL_PICK(extend, bf16);
-  return MINISGL_PICK(extend, f16);
+    MINISGL_ADD_VARIANTS(v, extend, bf16);
+  } else {
+    MINISGL_ADD_VARIANTS(v, extend, f16);
+  }
+  return v;
+}
+
+// The case's body chosen by `use_attention_body` (kind 0 decode, 1 extend): set by Python, read as a call starts.
+using Case = std::tuple<int, int, int64_t, int64_t>;
+std::mutex chosen_mutex;
+std::map<Case, std::string> chosen;
+
+template <typename Fn>
+Fn pick(const std::vector<Named<Fn>>& bodies, const Case& c) {
+  std::lock_guard<std::mutex> lock(chosen_mutex);
+  const auto it = chosen.find(c);
+  if (it != chosen.end())
+    for (const auto& b : bodies)
+      if (it->second == b.name) return b.fn;
+  return bodies.front().fn;
+}
+DecodeFn pick_decode(at::ScalarType dt, int64_t D, int64_t G) {
+  return pick(decode_bodies(dt, D, G), Case{0, static_cast<int>(dt), D, G});
+}
+ExtendFn pick_extend(at::ScalarType dt, int64_t D, int64_t G) {
+  return pick(extend_bodies(dt, D, G), Case{1, static_cast<int>(dt), D, G});
 }
 
 // ---------------------------------------------------------------- host side
@@ -461,6 +512,53 @@ std::string isa_name() {
 }  // namespace cpu
 
 std::string cpu_isa() { return cpu::isa_name(); }
+
+namespace {
+int kind_named(const std::string& kind) {
+  TORCH_CHECK(kind == "decode" || kind == "extend", "attention kind must be 'decode' or 'extend', got '", kind, "'");
+  return kind == "decode" ? 0 : 1;
+}
+at::ScalarType dtype_named(const std::string& dtype) {
+  if (dtype == "float32") return at::kFloat;
+  if (dtype == "bfloat16") return at::kBFloat16;
+  if (dtype == "float16") return at::kHalf;
+  TORCH_CHECK(false, "attention dtype must be 'float32', 'bfloat16' or 'float16', got '", dtype, "'");
+}
+}  // namespace
+
+std::vector<std::string> attention_bodies(const std::string& kind, const std::string& dtype, int64_t head_dim,
+                                          int64_t group) {
+  TORCH_CHECK(head_dim >= 1 && group >= 1, "head_dim and group must be >= 1, got ", head_dim, " and ", group);
+  std::vector<std::string> names;
+  const auto dt = dtype_named(dtype);
+  if (kind_named(kind) == 0)
+    for (const auto& b : cpu::decode_bodies(dt, head_dim, group)) names.push_back(b.name);
+  else
+    for (const auto& b : cpu::extend_bodies(dt, head_dim, group)) names.push_back(b.name);
+  return names;
+}
+
+void use_attention_body(const std::string& kind, const std::string& dtype, int64_t head_dim, int64_t group,
+                        const std::string& name) {
+  const auto names = attention_bodies(kind, dtype, head_dim, group);
+  std::string known;
+  for (const auto& n : names) known += (known.empty() ? "" : ", ") + n;
+  TORCH_CHECK(name.empty() || std::find(names.begin(), names.end(), name) != names.end(), kind, " attention body '",
+              name, "' does not run here for ", dtype, ", head_dim ", head_dim, ", group ", group, " (these do: ",
+              known, ")");
+  const cpu::Case c{kind_named(kind), static_cast<int>(dtype_named(dtype)), head_dim, group};
+  std::lock_guard<std::mutex> lock(cpu::chosen_mutex);
+  if (name.empty()) cpu::chosen.erase(c);
+  else cpu::chosen[c] = name;
+}
+
+std::string attention_body(const std::string& kind, const std::string& dtype, int64_t head_dim, int64_t group) {
+  const auto names = attention_bodies(kind, dtype, head_dim, group);
+  const cpu::Case c{kind_named(kind), static_cast<int>(dtype_named(dtype)), head_dim, group};
+  std::lock_guard<std::mutex> lock(cpu::chosen_mutex);
+  const auto it = cpu::chosen.find(c);
+  return it != cpu::chosen.end() ? it->second : names.front();
+}
 
 namespace cpu {
 
@@ -671,7 +769,7 @@ at::Tensor extend_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_cach
   };
   std::stable_sort(tasks.begin(), tasks.end(),
                    [&](const ExtendTask& x, const ExtendTask& y) { return task_cost(x) > task_cost(y); });
-  const ExtendFn fn = pick_extend(q.scalar_type(), a.D);
+  const ExtendFn fn = pick_extend(q.scalar_type(), a.D, a.G);
   int64_t pairs = 0;
   for (const auto& t : tasks) pairs += task_cost(t);
   run_dynamic(static_cast<int64_t>(tasks.size()), pairs * G * a.D, block * G, a.D, G,
