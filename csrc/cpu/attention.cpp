@@ -413,25 +413,39 @@ std::vector<Named<ExtendFn>> extend_bodies(at::ScalarType dt, int64_t D, int64_t
   return v;
 }
 
-// The case's body chosen by `use_attention_body` (kind 0 decode, 1 extend): set by Python, read as a call starts.
+// The body each case runs (kind 0 decode, 1 extend): resolved on the case's first call (its first body) or set by
+// `use_attention_body`, then kept, so that a call costs one map lookup, not a list of its case's bodies.
 using Case = std::tuple<int, int, int64_t, int64_t>;
 std::mutex chosen_mutex;
-std::map<Case, std::string> chosen;
+std::map<Case, Named<DecodeFn>> decode_chosen;
+std::map<Case, Named<ExtendFn>> extend_chosen;
 
 template <typename Fn>
-Fn pick(const std::vector<Named<Fn>>& bodies, const Case& c) {
+Named<Fn> chosen_body(std::map<Case, Named<Fn>>& chosen, const Case& c,
+                      std::vector<Named<Fn>> (*bodies)(at::ScalarType, int64_t, int64_t)) {
   std::lock_guard<std::mutex> lock(chosen_mutex);
-  const auto it = chosen.find(c);
-  if (it != chosen.end())
-    for (const auto& b : bodies)
-      if (it->second == b.name) return b.fn;
-  return bodies.front().fn;
+  auto it = chosen.find(c);
+  if (it == chosen.end())
+    it = chosen.emplace(c, bodies(static_cast<at::ScalarType>(std::get<1>(c)), std::get<2>(c), std::get<3>(c)).front()).first;
+  return it->second;
 }
 DecodeFn pick_decode(at::ScalarType dt, int64_t D, int64_t G) {
-  return pick(decode_bodies(dt, D, G), Case{0, static_cast<int>(dt), D, G});
+  return chosen_body(decode_chosen, Case{0, static_cast<int>(dt), D, G}, decode_bodies).fn;
 }
 ExtendFn pick_extend(at::ScalarType dt, int64_t D, int64_t G) {
-  return pick(extend_bodies(dt, D, G), Case{1, static_cast<int>(dt), D, G});
+  return chosen_body(extend_chosen, Case{1, static_cast<int>(dt), D, G}, extend_bodies).fn;
+}
+
+template <typename Fn>
+void set_body(std::map<Case, Named<Fn>>& chosen, const Case& c, const std::vector<Named<Fn>>& bodies,
+              const std::string& name) {
+  std::lock_guard<std::mutex> lock(chosen_mutex);
+  if (name.empty()) {
+    chosen.erase(c);
+    return;
+  }
+  for (const auto& b : bodies)
+    if (name == b.name) chosen[c] = b;
 }
 
 // ---------------------------------------------------------------- host side
@@ -546,18 +560,18 @@ void use_attention_body(const std::string& kind, const std::string& dtype, int64
   TORCH_CHECK(name.empty() || std::find(names.begin(), names.end(), name) != names.end(), kind, " attention body '",
               name, "' does not run here for ", dtype, ", head_dim ", head_dim, ", group ", group, " (these do: ",
               known, ")");
-  const cpu::Case c{kind_named(kind), static_cast<int>(dtype_named(dtype)), head_dim, group};
-  std::lock_guard<std::mutex> lock(cpu::chosen_mutex);
-  if (name.empty()) cpu::chosen.erase(c);
-  else cpu::chosen[c] = name;
+  const auto dt = dtype_named(dtype);
+  const cpu::Case c{kind_named(kind), static_cast<int>(dt), head_dim, group};
+  if (std::get<0>(c) == 0) cpu::set_body(cpu::decode_chosen, c, cpu::decode_bodies(dt, head_dim, group), name);
+  else cpu::set_body(cpu::extend_chosen, c, cpu::extend_bodies(dt, head_dim, group), name);
 }
 
 std::string attention_body(const std::string& kind, const std::string& dtype, int64_t head_dim, int64_t group) {
-  const auto names = attention_bodies(kind, dtype, head_dim, group);
-  const cpu::Case c{kind_named(kind), static_cast<int>(dtype_named(dtype)), head_dim, group};
-  std::lock_guard<std::mutex> lock(cpu::chosen_mutex);
-  const auto it = cpu::chosen.find(c);
-  return it != cpu::chosen.end() ? it->second : names.front();
+  TORCH_CHECK(head_dim >= 1 && group >= 1, "head_dim and group must be >= 1, got ", head_dim, " and ", group);
+  const auto dt = dtype_named(dtype);
+  const cpu::Case c{kind_named(kind), static_cast<int>(dt), head_dim, group};
+  return std::get<0>(c) == 0 ? cpu::chosen_body(cpu::decode_chosen, c, cpu::decode_bodies).name
+                             : cpu::chosen_body(cpu::extend_chosen, c, cpu::extend_bodies).name;
 }
 
 namespace cpu {
