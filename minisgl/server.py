@@ -127,6 +127,7 @@ class Frontend:
         self.controls: dict[int, asyncio.Future] = {}    # control token -> the scheduler's ControlReply data
         self.uids, self.tokens = itertools.count(1), itertools.count(1)
         self.on_fatal = None                             # called when a worker fails (the CLI stops the server)
+        self.url: str | None = None                      # where clients reach the API, said once the model is ready
 
     # life cycle
     def start(self):
@@ -192,7 +193,9 @@ class Frontend:
         elif isinstance(msg, Stats): self.metrics.update(msg.data)
         elif isinstance(msg, Ready):
             if "error" in msg.info: self._fatal(f"a worker failed to start: {msg.info['error']}")
-            else: self.info, self.ready = msg.info, True; logger.info("model ready: %s", msg.info)
+            else:
+                self.info, self.ready = msg.info, True; logger.info("model ready: %s", msg.info)
+                if self.url: logger.info("serving the OpenAI API on %s", self.url)
 
     def _deliver(self, t: TextOutput):
         entry = self.pending.get(t.uid)
@@ -650,6 +653,9 @@ def serve(args: ServerArgs, engine_factory: Callable[[], ModelRunner] | None = N
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sock = sock or bind_listener(args.host, args.port)        # before the workers load the model
     server = make_server(args, engine_factory)
+    # uvicorn says no address when handed a bound socket: the frontend says it once the model is ready
+    host, port = sock.getsockname()[:2]
+    server.fe.url = f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
     try: server.run(sockets=[sock])
     finally: sock.close()
     return 1 if server.fe.error else 0

@@ -105,8 +105,8 @@ def offline_answer():
 
 @pytest.fixture(scope="module")
 def overlap_server():
-    "Overlap scheduling and the naive cache; the last test stops it with SIGINT."
-    s = ServerProc("--overlap", "--cache", "naive", toy=True)
+    "Overlap scheduling and the naive cache, logging at info; the last test stops it with SIGINT."
+    s = ServerProc("--overlap", "--cache", "naive", "--log-level", "info", toy=True)
     yield s
     s.kill()
 
@@ -147,6 +147,12 @@ def test_queue_bound(small_server):
         if ok.status_code != 429: break
         time.sleep(0.1)
     assert ok.status_code == 200
+
+
+def test_serve_says_where_it_listens(overlap_server):
+    "uvicorn, handed a bound socket, names no address: the server says it once the model is ready."
+    s = overlap_server
+    assert f"serving the OpenAI API on http://127.0.0.1:{s.port}/v1" in s.output(), s.output()[-2000:]
 
 
 def test_serve_stops_on_sigint(overlap_server):
