@@ -10,7 +10,15 @@ Each variant runs in its own process (the ISA is fixed when the extension loads)
   extend 256+L  256 new tokens over a cached context of L (a later chunk of a chunked prefill)
   decode BxL    B requests of context L, one query each (B=1: a long decode split over key chunks)
 Figures: ms per call and GFLOP/s (4 * Hq * D multiply-adds x 2 per visible (query, key) pair). Decode runs the
-fp32 bodies in both variants (a bf16 decode body measured no faster): its rows show the noise of the machine."""
+fp32 bodies in both variants (a bf16 decode body measured no faster): its rows show the noise of the machine.
+
+    .venv/bin/python benchmarks/bench_attention.py --bodies [--shape 9,3,64] [--rounds 7] [--json out.json]
+
+`--bodies` times every body that runs on this CPU (`attention_bodies`: AMX, bf16dot, avx512, avx2, baseline), bf16
+and fp32 caches, in one process, one call of each body in turn per round (so that a busy moment of the machine
+falls on all of them alike), on the engine's own two timing steps (`time_attention_bodies`, chapter engine) and on
+prefill 1024, extend 256+2048, decode 1x4096 and 16x1024; it prints each body's median and the body the engine
+would keep from those medians (`choose_attention_body`)."""
 from __future__ import annotations
 
 import argparse
@@ -75,18 +83,72 @@ def measure(shape, reps):
     return dict(isa=native().cpu_isa(), results=out)
 
 
+def body_cases(shape):
+    "The cases `--bodies` times: name -> (kind, make_paged_batch's lens and exts)."
+    Hq, Hkv, D = shape
+    return {"engine decode": ("decode", [2000] + [300] * 15, None),      # `_timing_batch` of chapter engine
+            "engine extend": ("extend", [256, 232, 232, 232], [256, 32, 32, 32]),
+            "prefill 1024": ("extend", [1024], [1024]), "extend 256+2048": ("extend", [2304], [256]),
+            "decode 1x4096": ("decode", [4096], None), "decode 16x1024": ("decode", [1024] * 16, None)}
+
+
+def measure_bodies(shape, rounds):
+    "{dtype: {case: {body: median ms}}} and the engine's choice per (dtype, case), every body in turn each round."
+    import torch
+    from minisgl.engine import choose_attention_body
+    from minisgl.kernels import attention_bodies, decode_attention, extend_attention, make_paged_batch, use_attention_body
+    Hq, Hkv, D = shape
+    out, kept = {}, {}
+    for dt in (torch.bfloat16, torch.float32):
+        name = str(dt).removeprefix("torch.")
+        out[name], kept[name] = {}, {}
+        for case, (kind, lens, exts) in body_cases(shape).items():
+            batch = make_paged_batch(lens, exts, page=16, Hq=Hq, Hkv=Hkv, D=D, dtype=dt)
+            run = decode_attention if kind == "decode" else extend_attention
+            bodies = attention_bodies(kind, dt, D, Hq // Hkv)
+            times = {b: [] for b in bodies}
+            for r in range(rounds + 1):            # round 0 warms up: pages touched, threads awake
+                for b in bodies:
+                    use_attention_body(kind, dt, D, Hq // Hkv, b)
+                    t = time.perf_counter(); run(**batch, backend="cpu"); ms = (time.perf_counter() - t) * 1e3
+                    if r: times[b].append(ms)
+            use_attention_body(kind, dt, D, Hq // Hkv, None)
+            out[name][case] = {b: statistics.median(t) for b, t in times.items()}
+            kept[name][case] = choose_attention_body(out[name][case])
+    return out, kept
+
+
+def main_bodies(args, shape):
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_workload import machine
+    info = machine()
+    print(f"cpu: {info['cpu']} ({info['threads']} threads, flags {' '.join(info['flags'])}); shape Hq,Hkv,D = {shape}")
+    out, kept = measure_bodies(shape, args.rounds)
+    for dt, cases_ in out.items():
+        print(f"{dt}: median ms of {args.rounds} rounds (the flags' body first; * the body the engine keeps)")
+        for case, ms in cases_.items():
+            cells = "  ".join(f"{'*' if b == kept[dt][case] else ' '}{b} {t:.3f}" for b, t in ms.items())
+            print(f"  {case:16s} {cells}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(machine=info, shape=shape, rounds=args.rounds, bodies=out, kept=kept), f, indent=1)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="9,3,64", help="Hq,Hkv,D (default: SmolLM2-135M's)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--bodies", action="store_true", help="time every attention body that runs here, in one process")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     shape = tuple(int(x) for x in args.shape.split(","))
     if args.child:
         print(json.dumps(measure(shape, args.reps)))
         return
+    if args.bodies:
+        return main_bodies(args, shape)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_workload import machine
     variants = {"bf16 dot": {}, "fp32 (MINISGL_CPU_ISA=avx512)": {"MINISGL_CPU_ISA": "avx512"}}
