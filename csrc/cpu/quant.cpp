@@ -631,40 +631,52 @@ MINISGL_T2 inline void store8(const YOut& y, int64_t m, int64_t col, __m256 v) {
   }
 }
 
+// With one or two rows of x (a decode step of one or two requests) the registers hold both halves' sums, and each
+// block of the group is read for rows 0-7, then at once for rows 8-15: the group streams from memory in one pass,
+// with no second pass over it from the caches while no weight is read. More rows of x make two passes, as above.
+// Either way each sum takes the same steps in the same order: the same bits.
 template <int64_t T, int MC>
 MINISGL_T2 void group_avx2(const uint8_t* g, int64_t K, const QAct& a, int64_t m0, const float* bias, const YOut& y,
                            int64_t col) {
   const int64_t nb = K / 32;
-  for (int hv = 0; hv < 2; ++hv) {
-    __m256 acc[MC];
-    for (int i = 0; i < MC; ++i) acc[i] = _mm256_setzero_ps();
+  constexpr int HV = MC <= 2 ? 2 : 1;   // halves per pass
+  for (int h0 = 0; h0 < 2; h0 += HV) {
+    __m256 acc[HV][MC];
+    for (int hh = 0; hh < HV; ++hh)
+      for (int i = 0; i < MC; ++i) acc[hh][i] = _mm256_setzero_ps();
     for (int64_t j = 0; j < nb; ++j) {
-      if (hv == 0) prefetch_block_ahead<T>(g, j);   // hv 1 reads the group from the caches
-      __m256i q[8];
-      __m256 s0, b0, s1, b1;
-      half_block_of<T>(g, j, hv, q, s0, b0, s1, b1);
-      for (int i = 0; i < MC; ++i) {
-        const int64_t m = m0 + i;
-        const int8_t* xq = a.q(m) + j * 32;
-        const __m256 dx = _mm256_set1_ps(a.d32[m * nb + j]);
-        if constexpr (signed_quants(T)) {
-          acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots2_signed(q, xq)), _mm256_mul_ps(s0, dx), acc[i]);
-        } else if constexpr (T == Q6_K) {
-          const __m256i lo = dots2<4, 2>(q, xq), hi = dots2<4, 2>(q + 4, xq + 16);
-          acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(s0, dx), acc[i]);
-          acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(s1, dx), acc[i]);
-          acc[i] = _mm256_fmadd_ps(b0, _mm256_set1_ps(a.s16[(m * nb + j) * 2]), acc[i]);
-          acc[i] = _mm256_fmadd_ps(b1, _mm256_set1_ps(a.s16[(m * nb + j) * 2 + 1]), acc[i]);
-        } else {
-          constexpr bool four = T == Q4_0 || T == Q4_1 || T == Q4_K;
-          const __m256i d = four ? dots2<8, 8>(q, xq) : dots2<8, 4>(q, xq);
-          acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(s0, dx), acc[i]);
-          acc[i] = _mm256_fmadd_ps(b0, _mm256_set1_ps(a.s32[m * nb + j]), acc[i]);
+      if (h0 == 0) prefetch_block_ahead<T>(g, j);   // a second pass reads the group from the caches
+      for (int hh = 0; hh < HV; ++hh) {
+        __m256i q[8];
+        __m256 s0, b0, s1, b1;
+        half_block_of<T>(g, j, h0 + hh, q, s0, b0, s1, b1);
+        for (int i = 0; i < MC; ++i) {
+          const int64_t m = m0 + i;
+          const int8_t* xq = a.q(m) + j * 32;
+          const __m256 dx = _mm256_set1_ps(a.d32[m * nb + j]);
+          __m256& ac = acc[hh][i];
+          if constexpr (signed_quants(T)) {
+            ac = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots2_signed(q, xq)), _mm256_mul_ps(s0, dx), ac);
+          } else if constexpr (T == Q6_K) {
+            const __m256i lo = dots2<4, 2>(q, xq), hi = dots2<4, 2>(q + 4, xq + 16);
+            ac = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(s0, dx), ac);
+            ac = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(s1, dx), ac);
+            ac = _mm256_fmadd_ps(b0, _mm256_set1_ps(a.s16[(m * nb + j) * 2]), ac);
+            ac = _mm256_fmadd_ps(b1, _mm256_set1_ps(a.s16[(m * nb + j) * 2 + 1]), ac);
+          } else {
+            constexpr bool four = T == Q4_0 || T == Q4_1 || T == Q4_K;
+            const __m256i d = four ? dots2<8, 8>(q, xq) : dots2<8, 4>(q, xq);
+            ac = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(s0, dx), ac);
+            ac = _mm256_fmadd_ps(b0, _mm256_set1_ps(a.s32[m * nb + j]), ac);
+          }
         }
       }
     }
-    const __m256 bv = bias ? _mm256_loadu_ps(bias + 8 * hv) : _mm256_setzero_ps();
-    for (int i = 0; i < MC; ++i) store8(y, m0 + i, col + 8 * hv, _mm256_add_ps(acc[i], bv));
+    for (int hh = 0; hh < HV; ++hh) {
+      const int hv = h0 + hh;
+      const __m256 bv = bias ? _mm256_loadu_ps(bias + 8 * hv) : _mm256_setzero_ps();
+      for (int i = 0; i < MC; ++i) store8(y, m0 + i, col + 8 * hv, _mm256_add_ps(acc[hh][i], bv));
+    }
   }
 }
 
