@@ -83,27 +83,30 @@ def measure(shape, reps):
     return dict(isa=native().cpu_isa(), results=out)
 
 
-def body_cases(shape):
-    "The cases `--bodies` times: name -> (kind, make_paged_batch's lens and exts)."
+def body_batches(shape, dtype):
+    "The batches `--bodies` times, name -> (kind, batch): the engine's own two timing steps (chapter engine) and four more."
+    from minisgl.engine import _timing_batch
+    from minisgl.kernels import make_paged_batch
     Hq, Hkv, D = shape
-    return {"engine decode": ("decode", [2000] + [300] * 15, None),      # `_timing_batch` of chapter engine
-            "engine extend": ("extend", [256, 232, 232, 232], [256, 32, 32, 32]),
-            "prefill 1024": ("extend", [1024], [1024]), "extend 256+2048": ("extend", [2304], [256]),
+    more = {"prefill 1024": ("extend", [1024], [1024]), "extend 256+2048": ("extend", [2304], [256]),
             "decode 1x4096": ("decode", [4096], None), "decode 16x1024": ("decode", [1024] * 16, None)}
+    out = {f"engine {kind}": (kind, _timing_batch(kind, dtype, D, Hq, Hkv)) for kind in ("decode", "extend")}
+    for name, (kind, lens, exts) in more.items():
+        out[name] = (kind, make_paged_batch(lens, exts, page=16, Hq=Hq, Hkv=Hkv, D=D, dtype=dtype))
+    return out
 
 
 def measure_bodies(shape, rounds):
     "{dtype: {case: {body: median ms}}} and the engine's choice per (dtype, case), every body in turn each round."
     import torch
     from minisgl.engine import choose_attention_body
-    from minisgl.kernels import attention_bodies, decode_attention, extend_attention, make_paged_batch, use_attention_body
+    from minisgl.kernels import attention_bodies, decode_attention, extend_attention, use_attention_body
     Hq, Hkv, D = shape
     out, kept = {}, {}
     for dt in (torch.bfloat16, torch.float32):
         name = str(dt).removeprefix("torch.")
         out[name], kept[name] = {}, {}
-        for case, (kind, lens, exts) in body_cases(shape).items():
-            batch = make_paged_batch(lens, exts, page=16, Hq=Hq, Hkv=Hkv, D=D, dtype=dt)
+        for case, (kind, batch) in body_batches(shape, dt).items():
             run = decode_attention if kind == "decode" else extend_attention
             bodies = attention_bodies(kind, dt, D, Hq // Hkv)
             times = {b: [] for b in bodies}

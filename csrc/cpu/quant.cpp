@@ -91,35 +91,52 @@ constexpr int64_t kRec4K = 16 * 148, kRec5K = 16 * 180, kRec6K = 16 * 210;
 // Q5_K and Q6_K ask for the weight bytes kPfAhead ahead of the block they read, into the L2 (prefetcht1). A part
 // streams its groups front to back, and the hardware prefetchers alone fall behind these two, whose blocks take the
 // most instructions: `bench_quant.py --formats` on an AMD EPYC Zen 4, Q5_K 27-29 -> 34-43 GB/s and Q6_K 24-25 -> 34-36
-// (VNNI body), and imitating AVX2 there Q5_K 19-21 -> 24-29, Q6_K 17-19 -> 23-25. The other formats do not ask: over
+// (VNNI body), and imitating AVX2 there Q5_K 19-21 -> 24-29, Q6_K 17-19 -> 23-25. The other formats do not ask in the
+// VNNI body or in the AVX2 body's two passes (its one pass does, below): over
 // 128 MB they gained within the noise on VNNI and lost up to 15% on AVX2, and one request from the Q4_1 file decoded
 // ~5% slower with them (alternating builds). vec.h's prefetch_row (prefetcht2, the attention's) measured no better:
 // Q5_K imitating AVX2 23-28 GB/s against 27-29 with prefetcht1, alternating builds.
 #ifdef MINISGL_Q_X86
 constexpr int64_t kPfAhead = 8192;
+
+// A group's bytes per block of 32 weights (the K-quants' records hold 8 such blocks).
 template <int64_t T>
-inline void prefetch_block_ahead(const uint8_t* g, int64_t j) {
-  if constexpr (T == Q5_K || T == Q6_K) {
-    constexpr int64_t block = (T == Q5_K ? kRec5K : kRec6K) / 8;   // a group's bytes per block of 32
-    const char* p = reinterpret_cast<const char*>(g + j * block + kPfAhead);
-    for (int64_t o = 0; o < block; o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
+constexpr int64_t group_block_bytes() {
+  switch (T) {
+    case Q4_0: return kRec40;
+    case Q4_1: return kRec41;
+    case Q5_0: return kRec50;
+    case Q5_1: return kRec51;
+    case Q8_0: return kRec80;
+    case Q4_K: return kRec4K / 8;
+    case Q5_K: return kRec5K / 8;
+    case Q6_K: return kRec6K / 8;
+    default: return 0;
   }
 }
 
+// Asks for block j's bytes `ahead` bytes further on into the L2 (prefetcht1).
+template <int64_t T, int64_t ahead>
+inline void prefetch_ahead(const uint8_t* g, int64_t j) {
+  constexpr int64_t block = group_block_bytes<T>();
+  const char* p = reinterpret_cast<const char*>(g + j * block + ahead);
+  for (int64_t o = 0; o < block; o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
+}
+
+template <int64_t T>
+inline void prefetch_block_ahead(const uint8_t* g, int64_t j) {
+  if constexpr (T == Q5_K || T == Q6_K) prefetch_ahead<T, kPfAhead>(g, j);
+}
+
 // The AVX2 body's one pass over a group (one or two rows of x, below) asks for the other formats' bytes too, 4 KB
-// ahead into the L2: on an AMD EPYC Zen 3 (AVX2 only) one request decoded 2-9% faster in each of four alternations
-// (medians of 7 x 128 tokens), and over 128 MB Q4_1 streamed at 15.0 against 10.6 GB/s on one core, Q5_0 at 22.8
-// against 18.2 on two (medians of 3-5 alternating runs on a busy machine). The two-pass body had lost with them.
-constexpr int64_t kPfAheadAvx2 = 4096;
+// ahead: on an AMD EPYC Zen 3 (AVX2 only) one request decoded 3-10% faster in three of four alternations and 1%
+// slower in the fourth (medians of 7 x 128 tokens), and over 128 MB Q4_1 streamed at 15.0 against 10.6 GB/s on one
+// core, Q5_0 at 22.8 against 18.2 on two (medians of 3-5 alternating runs on a busy machine). The two-pass body had
+// lost with them.
 template <int64_t T>
 inline void prefetch_block_ahead_avx2(const uint8_t* g, int64_t j) {
-  if constexpr (T == Q4_0 || T == Q4_1 || T == Q5_0 || T == Q5_1 || T == Q8_0) {
-    constexpr int64_t block = T == Q4_0 ? kRec40 : T == Q4_1 ? kRec41 : T == Q5_0 ? kRec50 : T == Q5_1 ? kRec51 : kRec80;
-    const char* p = reinterpret_cast<const char*>(g + j * block + kPfAheadAvx2);
-    for (int64_t o = 0; o < block; o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
-  } else {
-    prefetch_block_ahead<T>(g, j);
-  }
+  if constexpr (T == Q4_0 || T == Q4_1 || T == Q5_0 || T == Q5_1 || T == Q8_0) prefetch_ahead<T, 4096>(g, j);
+  else prefetch_block_ahead<T>(g, j);
 }
 #endif
 
