@@ -142,6 +142,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("quant_weights") = std::vector<std::vector<at::Tensor>>{},
         py::arg("quant_types") = std::vector<std::vector<int64_t>>{}, py::arg("quant_amx") = std::vector<bool>{},
         py::call_guard<py::gil_scoped_release>());
+  py::class_<minisgl::DecodeStep>(m, "DecodeStep",
+        "decode_layers bound to what stays from step to step (weights, model shape, rows: the arguments of decode_layers "
+        "but x and the per-step tensors, head_dim given), checked and planned once; call it with x, k_caches, v_caches, "
+        "cos, sin, positions, out_loc, page_table, table_idx, seq_lens for decode_layers' result")
+      .def(py::init<int64_t, const std::vector<c10::optional<at::Tensor>>&, double, int64_t, int64_t, int64_t, double,
+                    const std::vector<int64_t>&, const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&,
+                    int64_t, const std::vector<bool>&, const std::vector<bool>&,
+                    const std::vector<std::vector<at::Tensor>>&, const std::vector<std::vector<int64_t>>&,
+                    const std::vector<bool>&>(),
+           py::arg("rows"), py::arg("weights"), py::arg("eps"), py::arg("head_dim"), py::arg("num_q_heads"),
+           py::arg("num_kv_heads"), py::arg("scale"), py::arg("sliding_windows"), py::arg("final_norm") = py::none(),
+           py::arg("lm_head") = py::none(), py::arg("vocab_size") = -1, py::arg("amx") = std::vector<bool>{},
+           py::arg("fma") = std::vector<bool>{}, py::arg("quant_weights") = std::vector<std::vector<at::Tensor>>{},
+           py::arg("quant_types") = std::vector<std::vector<int64_t>>{}, py::arg("quant_amx") = std::vector<bool>{})
+      .def("__call__", &minisgl::DecodeStep::run, py::arg("x"), py::arg("k_caches"), py::arg("v_caches"),
+           py::arg("cos"), py::arg("sin"), py::arg("positions"), py::arg("out_loc"), py::arg("page_table"),
+           py::arg("table_idx"), py::arg("seq_lens"), py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("rows", &minisgl::DecodeStep::rows);
   m.def("quant_row_bytes", &minisgl::quant_row_bytes,
         "bytes of one repacked row of K weights of a quantized type (GGML ids; 100: per-channel int8), -1 if none",
         py::arg("qtype"), py::arg("k"));

@@ -3,6 +3,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Optional.h>
 
+#include <memory>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -62,6 +63,30 @@ void rope_store_kv_cpu(at::Tensor& qkv, const at::Tensor& positions, const at::T
 // CausalLM._decode_layers in C++ and one parallel region, calling the kernels above; weights are 10 per layer,
 // projections plain or packed (see decode.cpp). Returns (x, residual), or (logits, residual) when final_norm and
 // lm_head are given (vocab_size: the rows of a packed lm_head).
+// The same step bound once to what stays from step to step: the weights (and their plans), the model's shape and
+// the number of rows; run() takes what changes (x, the caches, the positions and the batch's lengths). Building it
+// checks and plans everything decode_layers_cpu would; a run checks only its own arguments.
+class DecodeStep {
+ public:
+  DecodeStep(int64_t rows, const std::vector<c10::optional<at::Tensor>>& weights, double eps, int64_t head_dim,
+             int64_t num_q_heads, int64_t num_kv_heads, double scale, const std::vector<int64_t>& sliding_windows,
+             const c10::optional<at::Tensor>& final_norm, const c10::optional<at::Tensor>& lm_head, int64_t vocab_size,
+             const std::vector<bool>& amx, const std::vector<bool>& fma,
+             const std::vector<std::vector<at::Tensor>>& quant_weights = {},
+             const std::vector<std::vector<int64_t>>& quant_types = {}, const std::vector<bool>& quant_amx = {});
+  ~DecodeStep();
+  std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& x, const std::vector<at::Tensor>& k_caches,
+                                         const std::vector<at::Tensor>& v_caches, const at::Tensor& cos,
+                                         const at::Tensor& sin, const at::Tensor& positions, const at::Tensor& out_loc,
+                                         const at::Tensor& page_table, const at::Tensor& table_idx,
+                                         const at::Tensor& seq_lens);
+  int64_t rows() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
 std::tuple<at::Tensor, at::Tensor> decode_layers_cpu(
     const at::Tensor& x, const std::vector<c10::optional<at::Tensor>>& weights, double eps,
     const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches, const at::Tensor& cos,

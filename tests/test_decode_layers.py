@@ -2,7 +2,8 @@
 region. It calls the same kernels in the same order as `CausalLM._decode_layers`, so its results must be the
 Python loop's bits exactly: on random models with and without biases, over plain weights (the GEMV) and packed
 tiles (batches up to 64), on the real default model, with one thread or two, from two Python threads at once (it
-releases the GIL), under the overlap scheduler; and a bad argument, including one only found inside the parallel
+releases the GIL), under the overlap scheduler, after a weight changed under the `DecodeStep` a model keeps between
+steps; and a bad argument, including one only found inside the parallel
 region, must come back as a clear error."""
 import dataclasses
 import threading
@@ -130,12 +131,30 @@ def test_real_model_step():
     assert_same(m, x, ctx)
 
 
+def test_bound_step_follows_its_weights():
+    """The `DecodeStep` a model keeps between steps plans again when a weight changes under it: a bias written in
+    place (as `load_state_dict` does) and a weight given new storage (as `.to()` or `.data =` do) reach the next
+    step, whose bits are again the Python loop's."""
+    m = tiny("qwen2")                      # qwen2: qkv_proj has a bias, which the step holds as an fp32 copy
+    x, ctx = step_inputs(m, 2)
+    before = run(m, x, clone_ctx(ctx), True)
+    assert len(m._native_args) == 1
+    with torch.no_grad():
+        m.layers[1].self_attn.qkv_proj.bias.add_(0.5)
+        w = m.layers[2].mlp.down_proj.weight
+        w.data = w.data * 2                # new storage: the pointer the built plan held is gone
+    after = run(m, x, clone_ctx(ctx), True)
+    assert len(m._native_args) == 1        # the same step object, planned again
+    assert not torch.equal(after[0], before[0])
+    assert torch.equal(after[0], run(m, x, clone_ctx(ctx), False)[0])
+
+
 def args_of(m, x, ctx):
     "decode_layers' arguments for a step on copies of x and of the caches (the step writes into both)."
     m._decode_layers_native(x.clone(), clone_ctx(ctx))   # fills m._native_args
     x, ctx = x.clone(), clone_ctx(ctx)
     a = m.layers[0].self_attn
-    (weights, _), = m._native_args.values()   # one choice of kernels: the plain weights (the GEMV)
+    (weights, _, _), = m._native_args.values()   # one choice of kernels: the plain weights (the GEMV)
     return dict(x=x, weights=list(weights), eps=m.cfg.rms_norm_eps,
                 k_caches=[k for k, _ in ctx.kv_caches], v_caches=[v for _, v in ctx.kv_caches],
                 cos=m.rotary.cos, sin=m.rotary.sin, positions=ctx.positions, out_loc=ctx.out_loc,
@@ -196,7 +215,8 @@ def test_forward_logits_equal_python_path(model_type, monkeypatch):
 
 
 def test_forward_uses_native_head(monkeypatch):
-    "The decode forward makes exactly one native call, which returns the logits (no separate LM-head GEMV)."
+    """The decode forward makes exactly one native call, which returns the logits (no separate LM-head GEMV); the
+    `DecodeStep` it runs is built at the first step and reused by the next."""
     m = tiny("llama")
     x, ctx = step_inputs(m, 1)
     calls = []
@@ -204,13 +224,22 @@ def test_forward_uses_native_head(monkeypatch):
     class Spy:
         def __getattr__(self, name):
             f = getattr(EXT, name)
+            if name == "DecodeStep":   # building one is a call; so is every run of what it built
+                def build(*a, **k):
+                    calls.append("build DecodeStep")
+                    step = f(*a, **k)
+                    return lambda *a, **k: (calls.append("run DecodeStep"), step(*a, **k))[1]
+                return build
             return (lambda *a, **k: (calls.append(name), f(*a, **k))[1]) if callable(f) else f
 
     monkeypatch.setattr(kernels, "native", lambda: Spy())
     monkeypatch.setattr(m.lm_head, "forward", lambda x: calls.append("lm_head") or torch.zeros(1))
     with torch.inference_mode(): logits = m(torch.tensor([3]), ctx.positions, clone_ctx(ctx))
-    assert calls.count("decode_layers") == 1 and "lm_head" not in calls and "linear_gemv" not in calls
+    assert calls.count("run DecodeStep") == 1 and "lm_head" not in calls and "linear_gemv" not in calls
     assert logits.shape == (1, m.cfg.vocab_size)
+    with torch.inference_mode(): again = m(torch.tensor([3]), ctx.positions, clone_ctx(ctx))
+    assert calls.count("build DecodeStep") == 1 and calls.count("run DecodeStep") == 2
+    assert torch.equal(again, logits)
 
 
 needs_tiles = pytest.mark.skipif(EXT is None or not hasattr(EXT, "linear_packed") or not EXT.linear_packed_available(),
