@@ -422,7 +422,7 @@ class CausalLM(nn.Module):
         return out[0] if head else out
 
     def _native_call_args(self, kinds: tuple, rows: int, head: bool) -> tuple[list, tuple]:
-        "`decode_layers`' weights, and its arguments after the step's lengths: those that stay from step to step."
+        "`DecodeStep`'s weights, and its arguments after `head_dim` (`decode_layers`' after the step's lengths): those that stay from step to step."
         lin = lambda m: _native_weight(m, rows)
         lins = [m for l in self.layers for m in (l.self_attn.qkv_proj, l.self_attn.o_proj, l.mlp.gate_up_proj, l.mlp.down_proj)]
         lins.append(self.lm_head)                                      # every matmul of the step, the head last
