@@ -141,7 +141,7 @@ struct DecodeStep::Impl {
     const at::Tensor *ln1, *ln2;
     LinearPlan qkv, o, gate_up, down;
   };
-  // The plans (plan_step), made from the spec's tensors as they were then: their data pointers and versions (a
+  // The plans (plan()), made from the spec's tensors as they were then: their data pointers and versions (a
   // run whose tensors moved or were written in place, by a `.to()` or a load, plans again).
   std::vector<std::pair<const void*, int64_t>> seen;
   int64_t H = 0, QKV = 0, I2 = 0, V = 0;
