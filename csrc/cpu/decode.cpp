@@ -351,8 +351,8 @@ std::tuple<at::Tensor, at::Tensor> DecodeStep::run(const at::Tensor& x_in, const
   const int nt = s.nt;
   // Everything that can fail is checked here, before the region (an exception must not cross it, and nothing in it
   // throws); what stays from step to step was checked once, when the step was built.
-  TORCH_CHECK(k_caches.size() == L && v_caches.size() == L, fn,
-              ": k_caches, v_caches and sliding_windows must have one entry per layer");
+  TORCH_CHECK(k_caches.size() == L && v_caches.size() == L, fn, ": k_caches and v_caches must have one entry per layer (",
+              L, "), got ", k_caches.size(), " and ", v_caches.size());
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16 && x_in.device().is_cpu(), fn,
               ": x must be a bfloat16 CPU tensor [rows, hidden], got ", x_in.sizes(), " ", x_in.scalar_type());
   TORCH_CHECK(x_in.size(0) == n && x_in.size(1) == H, fn, ": this step was built for ", n, " rows of ", H,
