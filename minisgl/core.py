@@ -204,7 +204,7 @@ class Req:
 
     def append_host(self, token: int | torch.Tensor):
         "Append a sampled token to the host copy of the sequence."
-        tok = torch.as_tensor(token, dtype=torch.int32).reshape(1)
+        tok = torch.tensor([token], dtype=torch.int32) if isinstance(token, int) else torch.as_tensor(token, dtype=torch.int32).reshape(1)
         self.input_ids = torch.cat([self.input_ids, tok])
 
     def __repr__(self):

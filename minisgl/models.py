@@ -341,15 +341,16 @@ class CausalLM(nn.Module):
         fused = self.can_fuse(x, ctx) if ctx.fused is None else ctx.fused
         rope = None if fused and not self.cfg.qk_norm else self.rotary.lookup(positions)   # fused: C++ looks up
         ctx = dataclasses.replace(ctx, fused=fused, positions=positions)
-        direct = fused and self._direct_decode(x, ctx)
+        kinds = self._step_kernels(x.shape[0]) if fused else None   # looked up once: three uses below
+        direct = fused and self._direct_decode(x, ctx, kinds)
         self.last_path = 'fused decode' if direct else 'fused layers' if fused else 'modules'   # for logs and tests
         if direct:
-            head = logits_idx is None and _linear_kernel(self.lm_head, x.shape[0]) in NATIVE_KERNELS
+            head = logits_idx is None and kinds[-1] in NATIVE_KERNELS
             if ctx.tp is not None or not hasattr(kernels.native(), 'decode_layers'):   # one C++ call has no room for all-reduces
                 x, residual = self._decode_layers(x, ctx)
             elif head:
-                return self._decode_layers_native(x, ctx, head=True)   # on to the logits, in the same call
-            else: x, residual = self._decode_layers_native(x, ctx)
+                return self._decode_layers_native(x, ctx, head=True, kinds=kinds)   # on to the logits, in the same call
+            else: x, residual = self._decode_layers_native(x, ctx, kinds=kinds)
         else:
             for layer in self.layers:
                 x, residual = layer(x, residual, rope, self.rotary, ctx)
@@ -370,12 +371,17 @@ class CausalLM(nn.Module):
         "The whole vocabulary's logits: under TP each rank computed its slice's, so gather and join them."
         return logits if ctx.tp is None else ctx.tp.gather_vocab(logits)
 
-    def _direct_decode(self, x: torch.Tensor, ctx: ForwardContext) -> bool:
-        "A bf16 decode step that `_decode_layers` can run: every layer matmul's kernel at this batch size is a native one."
-        ext, rows, l0 = kernels.native(), x.shape[0], self.layers[0]
+    def _step_kernels(self, rows: int) -> tuple:
+        "The kernel of each matmul of a decode step of `rows` rows: qkv, o, gate_up and down (every layer has the same shapes), then the LM head."
+        l0 = self.layers[0]
+        lins = (l0.self_attn.qkv_proj, l0.self_attn.o_proj, l0.mlp.gate_up_proj, l0.mlp.down_proj, self.lm_head)
+        return tuple(_linear_kernel(m, rows) for m in lins)
+
+    def _direct_decode(self, x: torch.Tensor, ctx: ForwardContext, kinds: tuple | None = None) -> bool:
+        "A bf16 decode step that `_decode_layers` can run: every layer matmul's kernel at this batch size is a native one (`kinds`: `_step_kernels`, if at hand)."
+        ext, rows = kernels.native(), x.shape[0]
         if ctx.is_prefill or self.cfg.qk_norm or x.dtype != torch.bfloat16 or not hasattr(ext, 'linear_gemv'): return False
-        lins = (l0.self_attn.qkv_proj, l0.self_attn.o_proj, l0.mlp.gate_up_proj, l0.mlp.down_proj)   # every layer: same shapes
-        if any(_linear_kernel(m, rows) not in NATIVE_KERNELS for m in lins): return False
+        if any(k not in NATIVE_KERNELS for k in (kinds or self._step_kernels(rows))[:4]): return False
         return rows <= GEMV_MAX_ROWS or (rows <= 64 and hasattr(ext, 'decode_layers'))
 
     def _decode_layers(self, x: torch.Tensor, ctx: ForwardContext):
@@ -401,11 +407,10 @@ class CausalLM(nn.Module):
             x = ctx.reduce(_decode_linear(mlp.down_proj, h))
         return x, residual
 
-    def _decode_layers_native(self, x: torch.Tensor, ctx: ForwardContext, head: bool = False):
-        "`_decode_layers` as one C++ call (`csrc/cpu/decode.cpp`); `head`: go on through the final norm and LM head to the logits."
-        rows, l0 = x.shape[0], self.layers[0]
-        kinds = tuple(_linear_kernel(m, rows) for m in (l0.self_attn.qkv_proj, l0.self_attn.o_proj, l0.mlp.gate_up_proj,
-                                                         l0.mlp.down_proj, self.lm_head))
+    def _decode_layers_native(self, x: torch.Tensor, ctx: ForwardContext, head: bool = False, kinds: tuple | None = None):
+        "`_decode_layers` as one C++ call (`csrc/cpu/decode.cpp`); `head`: go on through the final norm and LM head to the logits (`kinds`: `_step_kernels`, if at hand)."
+        rows = x.shape[0]
+        kinds = kinds or self._step_kernels(rows)
         # What stays from step to step is bound once per choice of kernels, batch size and thread count, into a
         # `DecodeStep` that has checked and planned it (a layer past the first may plan its own kernel for `rows`):
         # gathering it from the modules cost ~0.3 ms of Python in a ~6 ms step, and handing it to C++ to be
@@ -415,7 +420,7 @@ class CausalLM(nn.Module):
         if key not in cache:
             weights, after = self._native_call_args(kinds, rows, head)
             cache[key] = weights, after, kernels.native().DecodeStep(
-                rows, weights, self.cfg.rms_norm_eps, l0.self_attn.head_dim, *after)
+                rows, weights, self.cfg.rms_norm_eps, self.layers[0].self_attn.head_dim, *after)
         kv = ctx.kv_caches
         out = cache[key][2](x, [k for k, _ in kv], [v for _, v in kv], self.rotary.cos, self.rotary.sin,
                             ctx.positions, ctx.out_loc, ctx.page_table, ctx.table_idx, ctx.seq_lens)
