@@ -341,7 +341,7 @@ class CausalLM(nn.Module):
         fused = self.can_fuse(x, ctx) if ctx.fused is None else ctx.fused
         rope = None if fused and not self.cfg.qk_norm else self.rotary.lookup(positions)   # fused: C++ looks up
         ctx = dataclasses.replace(ctx, fused=fused, positions=positions)
-        kinds = self._step_kernels(x.shape[0]) if fused else None   # looked up once: three uses below
+        kinds = self._step_kernels(x.shape[0]) if fused and not ctx.is_prefill else None   # looked up once: three uses below
         direct = fused and self._direct_decode(x, ctx, kinds)
         self.last_path = 'fused decode' if direct else 'fused layers' if fused else 'modules'   # for logs and tests
         if direct:
