@@ -204,8 +204,7 @@ class Req:
 
     def append_host(self, token: int | torch.Tensor):
         "Append a sampled token to the host copy of the sequence."
-        tok = torch.tensor([token], dtype=torch.int32) if isinstance(token, int) else torch.as_tensor(token, dtype=torch.int32).reshape(1)
-        self.input_ids = torch.cat([self.input_ids, tok])
+        self.input_ids = torch.cat([self.input_ids, torch.tensor([int(token)], dtype=torch.int32)])   # an int or a one-element tensor
 
     def __repr__(self):
         return (f"{type(self).__name__}(uid={self.uid}, row={self.table_idx}, cached_len={self.cached_len}, "
