@@ -110,8 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("tune", help="measure the CPU matmul kernels for a model and show the plan",
                        description="Time every CPU matmul kernel (GEMV, packed tiles, AMX, oneDNN, torch) for each weight shape "
                                    "of the model and each batch size, keep the fastest per shape and size, and save the plan "
-                                   "where `minisgl serve` and `LLM` read it; for a quantized .gguf, also time decode natively and "
-                                   "dequantized, which `--quantization auto` follows. The engine does both by itself on its first start.")
+                                   "where `minisgl serve` and `LLM` read it; time the C++ attention bodies on the model's heads; for a "
+                                   "quantized .gguf, also time decode natively and dequantized, which `--quantization auto` follows. "
+                                   "The engine does all three by itself on its first start.")
     t.add_argument("--show", action="store_true", help="print the saved plan (measuring only if there is none)")
     add_options(t, EngineConfig, names=("model", "max_running_reqs", "kernel_layouts"))
     return p
@@ -130,8 +131,25 @@ def run_tune(ns: argparse.Namespace, out=sys.stdout) -> int:
           f"kept in {str(plan_cache_file(specs)).replace(os.path.expanduser('~'), '~', 1)}", file=out)
     print("each cell: the kernel picked for up to that many rows, and how much faster it was than the next best\n", file=out)
     print(plan.table(), file=out)
+    _tune_attention(ns, out)
     _tune_quantization(ns, out)
     return 0
+
+
+def _tune_attention(ns: argparse.Namespace, out) -> None:
+    "The C++ attention bodies the engine runs for the model's heads, with their times (`--show`: as saved, timed only if none are; else timed anew)."
+    import torch
+    from minisgl.engine import _resolve_dtype, choose_attention_bodies
+    from minisgl.kernels import native
+    from minisgl.models import ModelConfig
+    from minisgl.weights import load_hf_config, resolve_model
+    if native() is None: return
+    cfg = ModelConfig.from_hf(load_hf_config(resolve_model(ns.model, progress=False, weights=False)))
+    dtype = _resolve_dtype('auto', torch.device('cpu'))
+    choices = choose_attention_bodies(cfg, dtype, fresh=not ns.show)
+    source = choices[0].source.replace(os.path.expanduser('~'), '~', 1)
+    print(f"\nattention bodies, {str(dtype).replace('torch.', '')} caches (ms a busy step of a layer, {source}):", file=out)
+    for c in choices: print(f"  {c}", file=out)
 
 
 def _tune_quantization(ns: argparse.Namespace, out) -> None:

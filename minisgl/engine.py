@@ -6,7 +6,6 @@
 from __future__ import annotations
 import contextlib
 import fcntl
-import functools
 import hashlib
 import json
 import logging
@@ -40,9 +39,9 @@ logger = logging.getLogger('minisgl.engine')
 # %% auto #0
 __all__ = ['logger', 'QUANTIZATIONS', 'ATTENTION_MARGIN', 'PLANNED_ROWS', 'SERVE_ITL_TARGET', 'FIXED_LIMITS', 'CHOICE_ROWS',
            'EngineConfig', 'cpu_has_fast_bf16', 'free_memory', 'attention_problem', 'time_attention_bodies',
-           'AttentionChoice', 'choose_attention_body', 'choose_attention_bodies', 'Engine', 'model_linear_specs',
-           'BatchLimits', 'linear_seconds', 'fit_limits', 'EngineArgs', 'decode_step_seconds', 'QuantChoice',
-           'measure_quantization', 'quantization_choice']
+           'attention_times_file', 'attention_times', 'AttentionChoice', 'choose_attention_body',
+           'choose_attention_bodies', 'Engine', 'model_linear_specs', 'BatchLimits', 'linear_seconds', 'fit_limits',
+           'EngineArgs', 'decode_step_seconds', 'QuantChoice', 'measure_quantization', 'quantization_choice']
 
 # %% ../nbs/08_engine.ipynb #2a257558
 QUANTIZATIONS = ('auto', 'none', 'gguf', 'int8')
@@ -177,10 +176,9 @@ def _timing_batch(kind: str, dtype: torch.dtype, head_dim: int, num_heads: int, 
     lens, exts = ([2000] + [300] * 15, None) if kind == 'decode' else ([256, 232, 232, 232], [256, 32, 32, 32])
     return make_paged_batch(lens, exts, page=16, Hq=num_heads, Hkv=num_kv_heads, D=head_dim, dtype=dtype)
 
-@functools.cache   # once per process: engines of one model in a process run the same bodies
 def time_attention_bodies(kind: str, dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int,
                           reps: int = 5) -> dict[str, float]:
-    "Median ms of each C++ attention body of `kind` that runs here (`attention_bodies`, the flags' choice first) on a busy server's step of these heads."
+    "Best-of-`reps` ms of each C++ attention body of `kind` that runs here (`attention_bodies`, the flags' choice first) on a busy server's step of these heads."
     case = (kind, dtype, head_dim, num_heads // num_kv_heads)
     batch, run = _timing_batch(kind, dtype, head_dim, num_heads, num_kv_heads), (decode_attention if kind == 'decode' else extend_attention)
     times, before = {body: [] for body in attention_bodies(*case)}, attention_body(*case)
@@ -188,13 +186,54 @@ def time_attention_bodies(kind: str, dtype: torch.dtype, head_dim: int, num_head
         for body in [*times] * 2:   # warm-up: the pages touched, the threads awake
             use_attention_body(*case, body); run(**batch, backend='cpu')
         for _ in range(reps):
-            best = min((statistics.median(t) for t in times.values() if t), default=math.inf)
+            best = min((min(t) for t in times.values() if t), default=math.inf)
             for body, t in times.items():
-                if t and statistics.median(t) > 2 * best: continue
+                if t and min(t) > 2 * best: continue
                 use_attention_body(*case, body)
                 start = time.perf_counter(); run(**batch, backend='cpu'); t.append((time.perf_counter() - start) * 1e3)
     finally: use_attention_body(*case, before)
-    return {body: statistics.median(t) for body, t in times.items()}
+    return {body: min(t) for body, t in times.items()}
+
+# %% ../nbs/08_engine.ipynb #83716027
+@contextlib.contextmanager
+def _measuring_lock(path: Path):
+    "Hold `path`'s lock file: engines starting together on one machine measure one at a time (none where the cache is read-only)."
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(path.with_suffix('.lock'), 'w')
+    except OSError:
+        yield; return
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def attention_times_file(cfg: ModelConfig, dtype: torch.dtype) -> Path:
+    "The plan-cache file of the attention bodies' times for `cfg`'s heads and `dtype` caches on this machine."
+    key = json.dumps([cpu_signature(), str(dtype), cfg.head_dim, cfg.num_heads, cfg.num_kv_heads], sort_keys=True)
+    return plan_cache_dir() / f'attention-{hashlib.sha1(key.encode()).hexdigest()[:16]}.json'
+
+
+def _read_attention_times(path: Path, bodies: dict[str, list[str]]) -> dict[str, dict[str, float]] | None:
+    "The times saved in `path` if the file is whole and times exactly `bodies` (per kind, in order); else None."
+    try:
+        d = json.loads(path.read_text())
+        if any(list(d[kind]) != names for kind, names in bodies.items()): return None
+        times = {kind: {body: float(d[kind][body]) for body in names} for kind, names in bodies.items()}
+        return times if all(0 < t < math.inf for ms in times.values() for t in ms.values()) else None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError): return None
+
+
+def attention_times(cfg: ModelConfig, dtype: torch.dtype, fresh: bool = False) -> tuple[dict[str, dict[str, float]], str]:
+    "Each C++ attention body's ms (`time_attention_bodies`) for decode and extend steps of `cfg`'s heads, and where they came from: the plan cache, else (or `fresh`) timed, one engine of the machine at a time, and kept there."
+    path, group = attention_times_file(cfg, dtype), cfg.num_heads // cfg.num_kv_heads
+    bodies = {kind: attention_bodies(kind, dtype, cfg.head_dim, group) for kind in ('decode', 'extend')}
+    if not fresh and (times := _read_attention_times(path, bodies)): return times, f'cache {path}'
+    with _measuring_lock(path):
+        if not fresh and (times := _read_attention_times(path, bodies)): return times, f'cache {path}'   # timed by another engine meanwhile
+        times = {kind: time_attention_bodies(kind, dtype, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads) for kind in bodies}
+        save_json(path, times, 'attention times')
+    return times, 'measured'
 
 # %% ../nbs/08_engine.ipynb #0555062d
 @dataclass
@@ -204,6 +243,7 @@ class AttentionChoice:
     ms: dict[str, float]
     wrong: dict[str, str]
     body: str | None
+    source: str = 'measured'   # where the times came from: 'measured' or 'cache <file>'
 
     def __str__(self):
         times = ', '.join(f"{n} {t:.2f} ms{' (wrong)' if n in self.wrong else ''}" for n, t in self.ms.items())
@@ -216,15 +256,16 @@ def choose_attention_body(ms: dict[str, float], wrong: dict[str, str] | None = N
     first, fastest = right[0], min(right, key=ms.get)
     return fastest if ms[fastest] <= margin * ms[first] else first
 
-def choose_attention_bodies(cfg: ModelConfig, dtype: torch.dtype) -> list[AttentionChoice]:
-    "Time and check every C++ attention body for `cfg`'s heads and `dtype` caches, and make each kind run the body `choose_attention_body` keeps (none right: the flags' choice stays)."
-    choices, case = [], (dtype, cfg.head_dim, cfg.num_heads // cfg.num_kv_heads)
-    for kind in ('decode', 'extend'):
-        ms, wrong = time_attention_bodies(kind, dtype, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads), {}
+def choose_attention_bodies(cfg: ModelConfig, dtype: torch.dtype, fresh: bool = False) -> list[AttentionChoice]:
+    "Check every C++ attention body for `cfg`'s heads and `dtype` caches, and make each kind run the body `choose_attention_body` keeps by `attention_times` (`fresh`: timed anew); none right: the flags' choice stays."
+    (times, source), case = attention_times(cfg, dtype, fresh), (dtype, cfg.head_dim, cfg.num_heads // cfg.num_kv_heads)
+    choices = []
+    for kind, ms in times.items():
+        wrong = {}
         for body in ms:
             use_attention_body(kind, *case, body)
             if why := attention_problem(cfg, dtype, 'cpu', kinds=(kind,)): wrong[body] = why
-        choices.append(AttentionChoice(kind, ms, wrong, choose_attention_body(ms, wrong)))
+        choices.append(AttentionChoice(kind, ms, wrong, choose_attention_body(ms, wrong), source))
         use_attention_body(kind, *case, choices[-1].body)
     return choices
 
@@ -264,8 +305,9 @@ class Engine:
         self.kv_caches = [(self.kv_pool.k_cache(i), self.kv_pool.v_cache(i)) for i in range(cfg.num_layers)]
         self.backend, self.attention_choices = config.attention_backend, []
         if self.device.type == 'cpu' and self.backend in (None, 'cpu') and native() is not None:
-            self.attention_choices = choose_attention_bodies(cfg, self.dtype)   # timed and checked: see above
-            logger.info('attention bodies (timed here, on a busy step of these heads):\n  %s', '\n  '.join(map(str, self.attention_choices)))
+            self.attention_choices = choose_attention_bodies(cfg, self.dtype, fresh=config.kernels == 'measure')   # see above
+            logger.info('attention bodies (times of a busy step of these heads, %s):\n  %s', self.attention_choices[0].source,
+                        '\n  '.join(map(str, self.attention_choices)))
             for c in self.attention_choices:
                 if c.wrong and c.body: logger.warning("the C++ %s attention's %s bodies compute wrong on this CPU (%s): serving "
                                                       "with its %s body. Please report it with `lscpu`.", c.kind, ', '.join(c.wrong),
@@ -641,19 +683,6 @@ def _read_choice(path: Path) -> QuantChoice | None:
             return QuantChoice(native, deq, f'cache {path}')
     except (OSError, ValueError, KeyError, TypeError, AttributeError): pass
     return None
-
-
-@contextlib.contextmanager
-def _measuring_lock(path: Path):
-    "Hold `path`'s lock file: engines starting together on one machine measure one at a time (none where the cache is read-only)."
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        lock = open(path.with_suffix('.lock'), 'w')
-    except OSError:
-        yield; return
-    with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
 
 
 def quantization_choice(config: EngineConfig, dtype: torch.dtype, fresh: bool | None = None) -> QuantChoice:
