@@ -164,6 +164,20 @@ def test_cpu_bf16_bodies_tight(D, Hq, Hkv):
 
 
 @needs_ext
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_decode_every_group_size(dtype):
+    """GQA groups of 1 to 8 query heads at head dims 64 and 128, at the edges of a 32-key tile and of the 4-key steps
+    inside it: the AVX2 body takes a KV head's query heads three at a time (then two or one) and its keys four at a
+    time, reading the rows where they lie; the other bodies run the same cases."""
+    for D in (64, 128):
+        for G in range(1, 9):
+            case = make_case(G + D, [1, 3, 4, 5, 31, 32, 33, 70, 300], page=16, Hq=2 * G, Hkv=2, D=D, dtype=dtype,
+                             strided_q=G % 2 == 0)
+            assert_matches(run("decode_attention", case, "cpu"), sdpa_reference(**case), dtype)
+            assert_matches(run("decode_attention", case, "cpu", 30), sdpa_reference(**case, sliding_window=30), dtype)
+
+
+@needs_ext
 def test_cpu_decode_long_single_request_splits_keys():
     "One long request in a small batch is split into key chunks across threads; the merge must be exact."
     for dtype in (torch.float32, torch.bfloat16):   # bf16, head_dim 64: the AMX body where the CPU has it

@@ -260,4 +260,89 @@ inline void dots(const float* __restrict q, const float* const* rows, float* __r
   vstore<W>(s, p[0]);
 }
 
+#if defined(__GNUC__) && defined(__x86_64__)
+// s[g * lds + j] = <q + g * D, rows[j]> for NH heads g and 4 rows j (D a multiple of 8), on AVX2: each 8 floats of a
+// row are loaded (bf16: widened in registers) once for the NH heads, where `dots` reads a row widened in scratch
+// once per head; each head's 4 product vectors reduce to 4 sums by two horizontal adds and one 128-bit add.
+template <int NH, typename T>
+__attribute__((target("avx2,fma"))) inline void dots_group8(const float* __restrict q, int D, const T* const* rows,
+                                                            float* __restrict s, int lds) {
+  static_assert(std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>, "fp32 or bf16 rows");
+  __m256 acc[NH][4];
+  for (int g = 0; g < NH; ++g)
+    for (int j = 0; j < 4; ++j) acc[g][j] = _mm256_setzero_ps();
+  for (int c = 0; c < D; c += 8) {
+    for (int j = 0; j < 4; ++j) {
+      __m256 k;
+      if constexpr (std::is_same_v<T, float>) {
+        k = _mm256_loadu_ps(rows[j] + c);
+      } else {
+        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[j] + c));
+        k = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+      }
+      for (int g = 0; g < NH; ++g) acc[g][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + c), k, acc[g][j]);
+    }
+  }
+  for (int g = 0; g < NH; ++g) {
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[g][0], acc[g][1]), _mm256_hadd_ps(acc[g][2], acc[g][3]));
+    _mm_storeu_ps(s + g * lds, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+  }
+}
+
+// O[g, :] += sum_{k < n} P[g * ldp + k] * rows[k][:] for NH heads g (D a multiple of 16), on AVX2: 16 columns of the
+// NH heads' sums stay in registers while the rows stream past, each row's 16 floats loaded (bf16: widened in
+// registers) once for the NH heads, where `gemm_rows` reads rows widened in scratch.
+template <int NH, typename T>
+__attribute__((target("avx2,fma"))) inline void pv_group8(const float* __restrict P, int ldp, const T* const* rows, int n,
+                                                          float* __restrict O, int D) {
+  static_assert(std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>, "fp32 or bf16 rows");
+  for (int c0 = 0; c0 < D; c0 += 16) {
+    __m256 acc[NH][2];
+    for (int g = 0; g < NH; ++g)
+      for (int c = 0; c < 2; ++c) acc[g][c] = _mm256_loadu_ps(O + g * D + c0 + 8 * c);
+    for (int k = 0; k < n; ++k) {
+      __m256 v[2];
+      for (int c = 0; c < 2; ++c) {
+        if constexpr (std::is_same_v<T, float>) {
+          v[c] = _mm256_loadu_ps(rows[k] + c0 + 8 * c);
+        } else {
+          const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[k] + c0 + 8 * c));
+          v[c] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+        }
+      }
+      for (int g = 0; g < NH; ++g) {
+        const __m256 p = _mm256_broadcast_ss(P + g * ldp + k);
+        for (int c = 0; c < 2; ++c) acc[g][c] = _mm256_fmadd_ps(p, v[c], acc[g][c]);
+      }
+    }
+    for (int g = 0; g < NH; ++g)
+      for (int c = 0; c < 2; ++c) _mm256_storeu_ps(O + g * D + c0 + 8 * c, acc[g][c]);
+  }
+}
+
+// The G heads of a KV head in groups of three (12 sums of `dots_group8` and a row's 4 vectors fill AVX2's 16
+// registers), then the two or one left: s[g * lds + j] = <q + g * D, rows[j]> for g < G, j < 4.
+template <typename T>
+__attribute__((target("avx2,fma"))) inline void dots_heads8(const float* q, int G, int D, const T* const* rows, float* s,
+                                                            int lds) {
+  int g = 0;
+  for (; g + 3 <= G; g += 3) dots_group8<3>(q + g * D, D, rows, s + g * lds, lds);
+  if (G - g == 2) dots_group8<2>(q + g * D, D, rows, s + g * lds, lds);
+  else if (G - g == 1) dots_group8<1>(q + g * D, D, rows, s + g * lds, lds);
+}
+
+// O[g, :] += sum_{k < n} P[g * ldp + k] * rows[k][:] for g < G, in groups of three heads like `dots_heads8`.
+template <typename T>
+__attribute__((target("avx2,fma"))) inline void pv_heads8(const float* P, int ldp, int G, const T* const* rows, int n,
+                                                          float* O, int D) {
+  int g = 0;
+  for (; g + 3 <= G; g += 3) pv_group8<3>(P + g * ldp, ldp, rows, n, O + g * D, D);
+  if (G - g == 2) pv_group8<2>(P + g * ldp, ldp, rows, n, O + g * D, D);
+  else if (G - g == 1) pv_group8<1>(P + g * ldp, ldp, rows, n, O + g * D, D);
+}
+constexpr bool kMinisglX86 = true;
+#else
+constexpr bool kMinisglX86 = false;  // the in-register AVX2 paths above exist on x86-64 only
+#endif
+
 }  // namespace minisgl::cpu
