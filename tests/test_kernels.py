@@ -168,7 +168,7 @@ def test_cpu_bf16_bodies_tight(D, Hq, Hkv):
 def test_cpu_decode_every_group_size(dtype):
     """GQA groups of 1 to 8 query heads at head dims 64 and 128, at the edges of a 32-key tile and of the 4-key steps
     inside it: the AVX2 body takes a KV head's query heads three at a time (then two or one) and its keys four at a
-    time, reading the rows where they lie; the other bodies run the same cases."""
+    time, reading the rows from their pages; on a CPU whose default body is another, that body runs these cases."""
     for D in (64, 128):
         for G in range(1, 9):
             case = make_case(G + D, [1, 3, 4, 5, 31, 32, 33, 70, 300], page=16, Hq=2 * G, Hkv=2, D=D, dtype=dtype,

@@ -12,7 +12,7 @@
 //            kDecodeTile keys: W scores at a time from `dots` (one transposing reduction tree instead of W
 //            horizontal sums), then acc += P V over row pointers (`gemm_rows`); the next tile's rows are
 //            prefetched, since page boundaries defeat the hardware prefetcher. The AVX2 body reads K and V
-//            rows where they lie, widened in registers once for all G heads (see decode_task).
+//            rows from their pages, widened in registers once for every three heads (see decode_task).
 //   extend : task = (request, kv head, block of queries); the block walks its visible keys in tiles of
 //            kTileK, gathering a K tile transposed ([D][kTileK]) and a V tile row-major, so that
 //            S = Q K^T and acc += P V are register-blocked products (`gemm` in vec.h).
@@ -106,22 +106,24 @@ struct CfgBase { static constexpr int W = 4, R = 4, C = 2; };
 // One (request, kv head, key range) task: the partial softmax state of G query heads over keys [k0, k1),
 // written to part = [m[G], l[G], acc[G][D]]. With a specialised head_dim, scores come W at a time from
 // `dots` and acc += P V is a register-blocked product over row pointers; otherwise plain dot/axpy loops.
-// The AVX2 body (fp32 or bf16 caches, head_dim 64 or 128) reads each K and V row where it lies instead, widened in
-// registers once for all G heads (`dots_heads8`, `pv_heads8`): widening rows into scratch and reading them back
-// once per head was most of its time. On the Zen 3 (AVX2, 2 threads; one request, bf16 caches, SmolLM2's 9 / 3
-// heads), each layer's call over 30 layers' caches (from memory, as in a real step): 291 -> 252 us at 2,000 keys,
-// 122 -> 106 at 600, 480 -> 420 for sixteen requests of 300; one thread with 4,000 keys in its caches: 135 -> 86
-// cycles a (key, KV head); the whole decode of one request after 2,000 tokens +10% (12 of 12 interleaved pairs),
-// after 500 +4%. Its prefetches of the next tile are spread over the tile, four rows at a time, as below: issued
-// all at once they made the whole decode 9% slower than the scratch path (the caches fit the L2 in the kernel's
-// own benchmark, which did not show it).
+// The AVX2 body (fp32 or bf16 caches, head_dim 64 or 128; fp16 and other head dims keep the path above) reads each
+// K and V row from its page instead, widened in registers once for every three query heads (all of them where
+// G <= 3), `dots_4keys_gqa_avx2` and `pv_gqa_avx2`: widening bf16 rows into scratch and reading them back once per
+// head (`dots`) or per four heads (`gemm_rows`) was most of its time. On the Zen 3 (AVX2, 2 threads, bf16 caches,
+// SmolLM2's 9 / 3 heads), a layer's call over 30 layers' caches (from memory, as in a real step): one request of
+// 2,000 keys 291 -> 252 us, of 600 keys 122 -> 106, sixteen requests of 300 480 -> 420; one thread, one request of
+// 4,000 keys in its caches: 135 -> 86 cycles a (key, KV head); the whole decode of one request after 2,000 tokens
+// +10% (12 of 12 pairs, the two paths switched in turn in one process by a throwaway build), after 500 +4%. Its
+// prefetches of the next tile are spread over the K pass, four rows at a time: issued all at once, they made the
+// whole decode 9% slower than the scratch path (in the kernel's own benchmark the caches fit the L2 and it did not
+// show).
 template <typename T, int kD, typename Cfg>
 inline void decode_task(const Args& a, int64_t b, int64_t row, int64_t h, int64_t k0, int64_t k1, float* part,
                         Scratch& sc) {
   constexpr int W = Cfg::W;
   constexpr bool kBlocked = kD > 0 && kD % (Cfg::C * W) == 0 && kDecodeTile % W == 0;
-  // K and V rows read where they lie (see above)
-  constexpr bool kInPlace = kMinisglX86 && W == 8 && kD > 0 && kD % 16 == 0 &&
+  // K and V rows read from their pages, widened in registers (see above)
+  constexpr bool kRowsFromPages = kMinisglX86 && W == 8 && kD > 0 && kD % 16 == 0 &&
                             (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>);
   const int D = kD > 0 ? kD : static_cast<int>(a.D);
   const int G = static_cast<int>(a.G);
@@ -153,26 +155,24 @@ inline void decode_task(const Args& a, int64_t b, int64_t row, int64_t h, int64_
     // attention of a 48-row decode step over 30 layers took 21 ms that way, 17 ms spread out, on a Zen 5;
     // benchmarks/bench_kernels.py --step-only).
     const int64_t ahead = std::min<int64_t>(kDecodeTile, k1 - t0 - kDecodeTile);
-    if constexpr (kInPlace) {
+    auto prefetch_next = [&](int j) {  // row j of the next tile
+      const int64_t next = slot_at(a, row, t0 + kDecodeTile + j);
+      prefetch_row(kc + next * a.k_s0, D);
+      prefetch_row(vc + next * a.v_s0, D);
+    };
+    if constexpr (kRowsFromPages) {
+      static_assert(kDecodeTile % 4 == 0, "keys are scored four at a time");
       const T* krows[kDecodeTile];
       for (int j = 0; j < n; ++j) krows[j] = kc + slots[j] * a.k_s0;
       const int n_pad = (n + 3) / 4 * 4;
       for (int j = n; j < n_pad; ++j) krows[j] = krows[n - 1];  // their scores are never read
       for (int j0 = 0; j0 < n_pad; j0 += 4) {
-        for (int j = j0; j < std::min<int64_t>(j0 + 4, ahead); ++j) {  // spread out, as below
-          const int64_t next = slot_at(a, row, t0 + kDecodeTile + j);
-          prefetch_row(kc + next * a.k_s0, D);
-          prefetch_row(vc + next * a.v_s0, D);
-        }
-        dots_heads8(qf, G, D, krows + j0, s + j0, kDecodeTile);
+        for (int j = j0; j < std::min<int64_t>(j0 + 4, ahead); ++j) prefetch_next(j);  // spread over the K pass (above)
+        dots_4keys_gqa_avx2(qf, G, D, krows + j0, s + j0, kDecodeTile);
       }
     } else {
       for (int j = 0; j < n; ++j) {
-        if (j < ahead) {
-          const int64_t next = slot_at(a, row, t0 + kDecodeTile + j);
-          prefetch_row(kc + next * a.k_s0, D);
-          prefetch_row(vc + next * a.v_s0, D);
-        }
+        if (j < ahead) prefetch_next(j);
         rows[j] = row_f32(kc + slots[j] * a.k_s0, kbuf + j * D, D);
       }
       if constexpr (kBlocked) {
@@ -193,10 +193,10 @@ inline void decode_task(const Args& a, int64_t b, int64_t row, int64_t h, int64_
       if (alpha != 1.f) scale_row<kD>(acc + g * D, alpha, D);
       m[g] = mnew;
     }
-    if constexpr (kInPlace) {
+    if constexpr (kRowsFromPages) {
       const T* vrows[kDecodeTile];
       for (int j = 0; j < n; ++j) vrows[j] = vc + slots[j] * a.v_s0;
-      pv_heads8(s, kDecodeTile, G, vrows, n, acc, D);
+      pv_gqa_avx2(s, kDecodeTile, G, vrows, n, acc, D);
     } else {
       for (int j = 0; j < n; ++j) rows[j] = row_f32(vc + slots[j] * a.v_s0, kbuf + j * D, D);
       if constexpr (kBlocked) {

@@ -261,11 +261,12 @@ inline void dots(const float* __restrict q, const float* const* rows, float* __r
 }
 
 #if defined(__GNUC__) && defined(__x86_64__)
-// s[g * lds + j] = <q + g * D, rows[j]> for NH heads g and 4 rows j (D a multiple of 8), on AVX2: each 8 floats of a
-// row are loaded (bf16: widened in registers) once for the NH heads, where `dots` reads a row widened in scratch
-// once per head; each head's 4 product vectors reduce to 4 sums by two horizontal adds and one 128-bit add.
+// s[g * lds + j] = <q + g * D, rows[j]> for NH <= 3 heads g and 4 rows (keys) j (D a multiple of 8), on AVX2: each 8
+// floats of a row are loaded (bf16: widened in registers) once for the NH heads, where `dots` reads a bf16 row widened
+// in scratch once per head; each head's 4 product vectors reduce to 4 sums by two levels of horizontal adds and one
+// 128-bit add.
 template <int NH, typename T>
-__attribute__((target("avx2,fma"))) inline void dots_group8(const float* __restrict q, int D, const T* const* rows,
+__attribute__((target("avx2,fma"))) inline void dots_4keys_avx2(const float* __restrict q, int D, const T* const* rows,
                                                             float* __restrict s, int lds) {
   static_assert(std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>, "fp32 or bf16 rows");
   __m256 acc[NH][4];
@@ -289,11 +290,11 @@ __attribute__((target("avx2,fma"))) inline void dots_group8(const float* __restr
   }
 }
 
-// O[g, :] += sum_{k < n} P[g * ldp + k] * rows[k][:] for NH heads g (D a multiple of 16), on AVX2: 16 columns of the
-// NH heads' sums stay in registers while the rows stream past, each row's 16 floats loaded (bf16: widened in
-// registers) once for the NH heads, where `gemm_rows` reads rows widened in scratch.
+// O[g, :] += sum_{k < n} P[g * ldp + k] * rows[k][:] for NH <= 3 heads g (D a multiple of 16), on AVX2: 16 columns of
+// the NH heads' sums stay in registers while the rows stream past, each row's 16 floats loaded (bf16: widened in
+// registers) once for the NH heads, where `gemm_rows` reads bf16 rows widened in scratch.
 template <int NH, typename T>
-__attribute__((target("avx2,fma"))) inline void pv_group8(const float* __restrict P, int ldp, const T* const* rows, int n,
+__attribute__((target("avx2,fma"))) inline void pv_avx2(const float* __restrict P, int ldp, const T* const* rows, int n,
                                                           float* __restrict O, int D) {
   static_assert(std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>, "fp32 or bf16 rows");
   for (int c0 = 0; c0 < D; c0 += 16) {
@@ -320,29 +321,30 @@ __attribute__((target("avx2,fma"))) inline void pv_group8(const float* __restric
   }
 }
 
-// The G heads of a KV head in groups of three (12 sums of `dots_group8` and a row's 4 vectors fill AVX2's 16
-// registers), then the two or one left: s[g * lds + j] = <q + g * D, rows[j]> for g < G, j < 4.
+// The G query heads of a KV head three at a time (12 sums of `dots_4keys_avx2` and the 4 keys' vectors fill AVX2's
+// 16 registers), then the two or one left: s[g * lds + j] = <q + g * D, rows[j]> for g < G, j < 4. A row is read
+// once for every three heads.
 template <typename T>
-__attribute__((target("avx2,fma"))) inline void dots_heads8(const float* q, int G, int D, const T* const* rows, float* s,
+__attribute__((target("avx2,fma"))) inline void dots_4keys_gqa_avx2(const float* q, int G, int D, const T* const* rows, float* s,
                                                             int lds) {
   int g = 0;
-  for (; g + 3 <= G; g += 3) dots_group8<3>(q + g * D, D, rows, s + g * lds, lds);
-  if (G - g == 2) dots_group8<2>(q + g * D, D, rows, s + g * lds, lds);
-  else if (G - g == 1) dots_group8<1>(q + g * D, D, rows, s + g * lds, lds);
+  for (; g + 3 <= G; g += 3) dots_4keys_avx2<3>(q + g * D, D, rows, s + g * lds, lds);
+  if (G - g == 2) dots_4keys_avx2<2>(q + g * D, D, rows, s + g * lds, lds);
+  else if (G - g == 1) dots_4keys_avx2<1>(q + g * D, D, rows, s + g * lds, lds);
 }
 
-// O[g, :] += sum_{k < n} P[g * ldp + k] * rows[k][:] for g < G, in groups of three heads like `dots_heads8`.
+// O[g, :] += sum_{k < n} P[g * ldp + k] * rows[k][:] for g < G, three heads at a time like `dots_4keys_gqa_avx2`.
 template <typename T>
-__attribute__((target("avx2,fma"))) inline void pv_heads8(const float* P, int ldp, int G, const T* const* rows, int n,
+__attribute__((target("avx2,fma"))) inline void pv_gqa_avx2(const float* P, int ldp, int G, const T* const* rows, int n,
                                                           float* O, int D) {
   int g = 0;
-  for (; g + 3 <= G; g += 3) pv_group8<3>(P + g * ldp, ldp, rows, n, O + g * D, D);
-  if (G - g == 2) pv_group8<2>(P + g * ldp, ldp, rows, n, O + g * D, D);
-  else if (G - g == 1) pv_group8<1>(P + g * ldp, ldp, rows, n, O + g * D, D);
+  for (; g + 3 <= G; g += 3) pv_avx2<3>(P + g * ldp, ldp, rows, n, O + g * D, D);
+  if (G - g == 2) pv_avx2<2>(P + g * ldp, ldp, rows, n, O + g * D, D);
+  else if (G - g == 1) pv_avx2<1>(P + g * ldp, ldp, rows, n, O + g * D, D);
 }
 constexpr bool kMinisglX86 = true;
 #else
-constexpr bool kMinisglX86 = false;  // the in-register AVX2 paths above exist on x86-64 only
+constexpr bool kMinisglX86 = false;  // the AVX2 paths above exist on x86-64 only
 #endif
 
 }  // namespace minisgl::cpu
