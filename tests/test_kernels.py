@@ -214,6 +214,9 @@ def _variant_check():
             case = make_case(D, *EXTEND[2], page=16, Hq=8, Hkv=2, D=D, dtype=dtype)
             assert_matches(run("extend_attention", case, "cpu", window), sdpa_reference(**case, sliding_window=window),
                            dtype)
+    for G in (1, 2, 4, 5):   # groups the AVX2 body splits into three heads and two or one
+        case = make_case(G, [5, 33, 300], page=16, Hq=2 * G, Hkv=2, D=64, dtype=torch.bfloat16)
+        assert_matches(run("decode_attention", case, "cpu"), sdpa_reference(**case), torch.bfloat16)
     g = torch.Generator().manual_seed(0)
     for n in (5, 8, 17, 49152):   # greedy sampling's argmax: ties, NaN, all -inf, and every tail of the lanes
         x = torch.randn(4, n, generator=g)
