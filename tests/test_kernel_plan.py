@@ -268,9 +268,11 @@ def test_tune_command(cache):
                           timeout=300, env=env, cwd=ROOT)
     assert show.returncode == 0, show.stderr[-2000:]
     assert "measured now" in show.stdout and "| rows |" in show.stdout and "49152 x 576" in show.stdout
+    assert "\nattention bodies, " in show.stdout and "  decode: " in show.stdout and "  extend: " in show.stdout
     again = subprocess.run([sys.executable, "-m", "minisgl", "tune", "--show"], capture_output=True, text=True,
                            timeout=300, env=env, cwd=ROOT)
     assert again.returncode == 0 and "from the cache" in again.stdout
+    assert "caches (ms a busy step of a layer, cache " in again.stdout   # the attention times read back too
 
 
 def test_auto_dtype_follows_the_bf16_kernels():
