@@ -112,8 +112,9 @@ struct CfgBase { static constexpr int W = 4, R = 4, C = 2; };
 // head (`dots`) or per four heads (`gemm_rows`) was most of its time. On the Zen 3 (AVX2, 2 threads, bf16 caches,
 // SmolLM2's 9 / 3 heads), a layer's call over 30 layers' caches (from memory, as in a real step): one request of
 // 2,000 keys 291 -> 252 us, of 600 keys 122 -> 106, sixteen requests of 300 480 -> 420; one thread, one request of
-// 4,000 keys in its caches: 135 -> 86 cycles a (key, KV head); the whole decode of one request after 2,000 tokens
-// +10% (12 of 12 pairs, the two paths switched in turn in one process by a throwaway build), after 500 +4%. Its
+// 4,000 keys in its caches: 148 -> 103 and 100 -> 71 cycles a (key, KV head) in two runs; the whole decode of one
+// request after 2,000 tokens +10% (12 of 12 pairs, the two paths switched in turn in one process by a throwaway
+// build), after 500 +4%. Its
 // prefetches of the next tile are spread over the K pass, four rows at a time: issued all at once, they made the
 // whole decode 9% slower than the scratch path (in the kernel's own benchmark the caches fit the L2 and it did not
 // show).

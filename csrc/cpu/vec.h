@@ -267,7 +267,7 @@ inline void dots(const float* __restrict q, const float* const* rows, float* __r
 // 128-bit add.
 template <int NH, typename T>
 __attribute__((target("avx2,fma"))) inline void dots_4keys_avx2(const float* __restrict q, int D, const T* const* rows,
-                                                            float* __restrict s, int lds) {
+                                                                float* __restrict s, int lds) {
   static_assert(std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>, "fp32 or bf16 rows");
   __m256 acc[NH][4];
   for (int g = 0; g < NH; ++g)
@@ -295,7 +295,7 @@ __attribute__((target("avx2,fma"))) inline void dots_4keys_avx2(const float* __r
 // registers) once for the NH heads, where `gemm_rows` reads bf16 rows widened in scratch.
 template <int NH, typename T>
 __attribute__((target("avx2,fma"))) inline void pv_avx2(const float* __restrict P, int ldp, const T* const* rows, int n,
-                                                          float* __restrict O, int D) {
+                                                        float* __restrict O, int D) {
   static_assert(std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>, "fp32 or bf16 rows");
   for (int c0 = 0; c0 < D; c0 += 16) {
     __m256 acc[NH][2];
@@ -325,8 +325,8 @@ __attribute__((target("avx2,fma"))) inline void pv_avx2(const float* __restrict 
 // 16 registers), then the two or one left: s[g * lds + j] = <q + g * D, rows[j]> for g < G, j < 4. A row is read
 // once for every three heads.
 template <typename T>
-__attribute__((target("avx2,fma"))) inline void dots_4keys_gqa_avx2(const float* q, int G, int D, const T* const* rows, float* s,
-                                                            int lds) {
+__attribute__((target("avx2,fma"))) inline void dots_4keys_gqa_avx2(const float* q, int G, int D, const T* const* rows,
+                                                                    float* s, int lds) {
   int g = 0;
   for (; g + 3 <= G; g += 3) dots_4keys_avx2<3>(q + g * D, D, rows, s + g * lds, lds);
   if (G - g == 2) dots_4keys_avx2<2>(q + g * D, D, rows, s + g * lds, lds);
@@ -336,7 +336,7 @@ __attribute__((target("avx2,fma"))) inline void dots_4keys_gqa_avx2(const float*
 // O[g, :] += sum_{k < n} P[g * ldp + k] * rows[k][:] for g < G, three heads at a time like `dots_4keys_gqa_avx2`.
 template <typename T>
 __attribute__((target("avx2,fma"))) inline void pv_gqa_avx2(const float* P, int ldp, int G, const T* const* rows, int n,
-                                                          float* O, int D) {
+                                                            float* O, int D) {
   int g = 0;
   for (; g + 3 <= G; g += 3) pv_avx2<3>(P + g * ldp, ldp, rows, n, O + g * D, D);
   if (G - g == 2) pv_avx2<2>(P + g * ldp, ldp, rows, n, O + g * D, D);
